@@ -1,0 +1,5 @@
+import sys
+
+from polyrl.cli import main
+
+sys.exit(main())

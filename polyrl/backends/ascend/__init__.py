@@ -1,0 +1,63 @@
+"""The ascend backend: torch_npu, HCCL, vllm-ascend.
+
+``torch_npu`` is never imported here at module level: importing it without Ascend's CANN breaks even
+``import torch``. ``detect`` looks for the module spec, the CANN toolkit and the device nodes only.
+Until the npu_fusion_attention kernel lands, attention falls back to the reference (visible in
+``polyrl backends``).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from collections.abc import Callable
+
+from polyrl.core.backend import Availability, Backend, ShardingPolicy
+from polyrl.core.hookspecs import hookimpl
+
+
+def cann_home() -> str | None:
+    """The CANN toolkit directory, from the environment set by CANN's set_env.sh or the default path."""
+    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        path = os.environ.get(var)
+        if path and os.path.isdir(path):
+            return path
+    default = "/usr/local/Ascend/ascend-toolkit/latest"
+    return default if os.path.isdir(default) else None
+
+
+class AscendBackend(Backend):
+    name = "ascend"
+    device_type = "npu"
+    collective_backend = "hccl"
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm-ascend"})
+    native_kernels = frozenset()
+    rollout_engines = ("hf", "vllm-ascend")
+
+    def detect(self) -> Availability:
+        if importlib.util.find_spec("torch_npu") is None:
+            return Availability(False, "torch_npu is not installed (install the build matching your CANN)")
+        if cann_home() is None:
+            return Availability(False, "torch_npu is installed but Ascend CANN was not found (source set_env.sh)")
+        if not glob.glob("/dev/davinci[0-9]*"):
+            return Availability(False, "no Ascend NPU device node (/dev/davinciN) is visible")
+        return Availability(True, "")
+
+    def sharding_policy(self) -> ShardingPolicy:
+        return ShardingPolicy(
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            cpu_offload_supported=True,
+            # HCCL all_gather_into_tensor / reduce_scatter_tensor refuse these world sizes.
+            world_sizes_refused=(3, 5, 6, 7),
+            env_defaults={
+                "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
+                "HCCL_CONNECT_TIMEOUT": "1200",
+            },
+        )
+
+
+@hookimpl
+def polyrl_register_backends(register: Callable[[type], None]) -> None:
+    register(AscendBackend)

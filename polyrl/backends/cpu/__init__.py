@@ -1,0 +1,33 @@
+"""The cpu backend: the reference implementation and the default of a fresh install.
+
+Pure torch on the CPU, gloo collectives, fp32 everywhere. Every kernel is the reference from
+polyrl.core, which is what the other backends are measured against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from polyrl.core.backend import Availability, Backend, ShardingPolicy
+from polyrl.core.hookspecs import hookimpl
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+    device_type = "cpu"
+    collective_backend = "gloo"
+    is_reference = True
+    capabilities = frozenset({"fp32", "bf16", "fsdp2", "dcp", "rollout:hf"})
+    native_kernels = frozenset({"varlen_attention", "logprobs"})  # the reference *is* its kernel
+
+    def detect(self) -> Availability:
+        return Availability(True, "")
+
+    def sharding_policy(self) -> ShardingPolicy:
+        # fp32 params and reductions: the CPU run is the numerical reference for parity.
+        return ShardingPolicy(param_dtype="float32", reduce_dtype="float32", cpu_offload_supported=False)
+
+
+@hookimpl
+def polyrl_register_backends(register: Callable[[type], None]) -> None:
+    register(CpuBackend)

@@ -1,0 +1,71 @@
+"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL, vLLM rollout.
+
+Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
+devices without creating a context, and the kernels are imported on first call.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from polyrl.core.backend import Availability, Backend, ShardingPolicy
+from polyrl.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    device_type = "cuda"
+    collective_backend = "nccl"
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm", "triton"})
+    native_kernels = frozenset({"varlen_attention"})
+    rollout_engines = ("hf", "vllm")
+
+    def detect(self) -> Availability:
+        import torch
+
+        if torch.version.cuda is None:
+            return Availability(False, f"torch {torch.__version__} is not a CUDA build")
+        if importlib.util.find_spec("triton") is None:
+            return Availability(False, "triton is not installed (pip install 'polyrl[cuda]')")
+        # device_count() uses NVML / cudaGetDeviceCount and does not create a CUDA context.
+        if torch.cuda.device_count() == 0:
+            return Availability(False, "no CUDA device visible (check CUDA_VISIBLE_DEVICES and the driver)")
+        return Availability(True, "")
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from polyrl.backends.cuda.attention import triton_varlen_attention
+
+        return triton_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+
+    def sharding_policy(self) -> ShardingPolicy:
+        return ShardingPolicy(
+            param_dtype="bfloat16",
+            reduce_dtype="float32",
+            cpu_offload_supported=True,
+            env_defaults={
+                # Fewer fragmentation OOMs when rollout and training share the GPU.
+                "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                # NVLink multicast (NVLS) can wedge shared hosts; polyrl never needs it.
+                "NCCL_NVLS_ENABLE": "0",
+            },
+        )
+
+
+@hookimpl
+def polyrl_register_backends(register: Callable[[type], None]) -> None:
+    register(CudaBackend)

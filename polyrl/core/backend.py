@@ -1,0 +1,126 @@
+"""The Backend interface: what a hardware plugin declares and implements.
+
+A backend is a small class, registered through the ``polyrl_register_backends`` hook. It must be cheap to
+construct and must not touch a device in ``__init__`` or ``detect``: detection reads what is installed
+and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
+
+Everything a backend does not implement falls back explicitly to the reference implementation in core,
+and the fallback is listed by ``polyrl backends`` (``kernels_fallback``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+# Kernels a backend may provide natively; anything it does not list in ``native_kernels`` runs the
+# reference implementation from polyrl.core.
+KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class Availability:
+    available: bool
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPolicy:
+    """How FSDP2 should be applied on this backend.
+
+    ``param_dtype``/``reduce_dtype`` are torch dtype names ("float32", "bfloat16") so that the policy is
+    printable and comparable without importing torch. ``world_sizes_refused`` lists world sizes the
+    collective library cannot handle (HCCL refuses 3, 5, 6, 7 for all_gather_into_tensor).
+    """
+
+    param_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+    cpu_offload_supported: bool = True
+    world_sizes_refused: tuple[int, ...] = ()
+    env_defaults: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+class Backend:
+    """Base class of every backend. Subclasses set the class attributes and override what they provide."""
+
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = "cpu"  # torch device type: "cpu", "cuda", "npu", ...
+    collective_backend: ClassVar[str] = "gloo"  # torch.distributed backend name
+    capabilities: ClassVar[frozenset[str]] = frozenset()
+    native_kernels: ClassVar[frozenset[str]] = frozenset()
+    rollout_engines: ClassVar[tuple[str, ...]] = ("hf",)
+    is_reference: ClassVar[bool] = False  # the cpu backend: the fallback, not an accelerator
+
+    # Filled in by the plugin manager: the distribution the backend came from.
+    distribution: str = ""
+    version: str = ""
+
+    def detect(self) -> Availability:
+        """Is the hardware and software present? Must not initialise a device."""
+        raise NotImplementedError
+
+    # --- kernels -------------------------------------------------------------------------------
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Packed causal attention with optional window and sinks (contract in polyrl.core.attention).
+
+        The default is the exact reference; backends override with their kernel.
+        """
+        from polyrl.core.reference_attention import reference_varlen_attention
+
+        return reference_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+
+    # --- sharding / environment ---------------------------------------------------------------
+    def sharding_policy(self) -> ShardingPolicy:
+        return ShardingPolicy()
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse world sizes the collective library cannot handle, with a clear message."""
+        from polyrl.core.errors import BadInputError
+
+        refused = self.sharding_policy().world_sizes_refused
+        if world_size in refused:
+            raise BadInputError(
+                f"backend {self.name!r}: world size {world_size} is not supported by "
+                f"{self.collective_backend} (refused sizes: {list(refused)})"
+            )
+
+    def device(self, local_rank: int = 0) -> Any:
+        """The torch device for this process. Only called once a run has started."""
+        import torch
+
+        if self.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, local_rank)
+
+    # --- reporting -----------------------------------------------------------------------------
+    def kernels_fallback(self) -> list[str]:
+        return [k for k in KERNELS if k not in self.native_kernels]
+
+    def describe(self) -> dict[str, Any]:
+        avail = self.detect()
+        return {
+            "name": self.name,
+            "version": self.version,
+            "distribution": self.distribution,
+            "device_type": self.device_type,
+            "collective_backend": self.collective_backend,
+            "available": avail.available,
+            "reason": avail.reason,
+            "capabilities": sorted(self.capabilities),
+            "native_kernels": sorted(self.native_kernels),
+            "kernels_fallback": self.kernels_fallback(),
+            "rollout_engines": list(self.rollout_engines),
+        }

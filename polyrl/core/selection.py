@@ -1,0 +1,67 @@
+"""Which backend runs: the selection rule of DESIGN.md.
+
+1. An explicit name (``--backend`` or ``backend=``) or ``POLYRL_BACKEND`` wins.
+2. Otherwise exactly one available non-reference backend is chosen.
+3. Otherwise the cpu reference backend.
+Two or more available non-reference backends without an explicit choice is an error naming them.
+"""
+
+from __future__ import annotations
+
+import os
+
+from polyrl.core.backend import Backend
+from polyrl.core.errors import BackendSelectionError
+from polyrl.core.plugins import get_registry
+
+_active: Backend | None = None
+
+
+def resolve_backend(name: str | None = None) -> Backend:
+    """The backend called ``name``, or the one the selection rule picks. Does not touch a device."""
+    registry = get_registry()
+    backends = registry.backends
+    name = name or os.environ.get("POLYRL_BACKEND") or None
+    if name is not None:
+        if name in backends:
+            backend = backends[name]
+            avail = backend.detect()
+            if not avail.available:
+                raise BackendSelectionError(f"backend {name!r} is not available: {avail.reason}")
+            return backend
+        if name in registry.skipped:
+            raise BackendSelectionError(f"backend {name!r} is installed but not loaded: {registry.skipped[name]}")
+        raise BackendSelectionError(
+            f"unknown backend {name!r}; installed backends: {', '.join(sorted(backends)) or '(none)'}"
+        )
+    candidates = [b for b in backends.values() if not b.is_reference and b.detect().available]
+    if len(candidates) > 1:
+        names = ", ".join(sorted(b.name for b in candidates))
+        raise BackendSelectionError(
+            f"several backends are available ({names}); choose one with --backend or POLYRL_BACKEND"
+        )
+    if candidates:
+        return candidates[0]
+    reference = [b for b in backends.values() if b.is_reference]
+    if not reference:
+        raise BackendSelectionError("no backend available and no reference backend installed")
+    return reference[0]
+
+
+def get_active_backend() -> Backend:
+    """The backend of this process: set by ``set_active_backend`` (the CLI) or chosen by the rule."""
+    global _active
+    if _active is None:
+        _active = resolve_backend()
+    return _active
+
+
+def set_active_backend(name: str | None) -> Backend:
+    global _active
+    _active = resolve_backend(name)
+    return _active
+
+
+def reset_active_backend() -> None:
+    global _active
+    _active = None
