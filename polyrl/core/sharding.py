@@ -1,0 +1,168 @@
+"""FSDP2 sharding of the actor, reference model and critic, with the backend's quirks applied.
+
+Order (as torchtitan's parallelize functions): ``fully_shard`` every decoder layer, then the root. Each
+layer is then one all-gather unit (gathered just before its forward, freed after), and the root unit
+holds what is left (embeddings, final norm, LM head / value head). The model itself knows nothing about
+parallelism; this module is the only place that wraps it.
+
+The mixed-precision policy is the backend's (``Backend.sharding_policy()``): fp32 params and reductions
+on the CPU reference, bf16 params with fp32 gradient reduction on accelerators. The optimizer always
+holds fp32 sharded master weights. Without a process group (a single process) sharding is skipped and
+the model is returned as is: the 1-process run is the plain reference the N-process run must match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from polyrl.core.errors import BadInputError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from polyrl.core.backend import Backend
+
+# Attribute paths where decoder layers live in the model families polyrl trains (HF causal LMs keep
+# them at ``model.layers``; a critic wrapping a backbone at ``backbone.model.layers``).
+_LAYER_PATHS = ("model.layers", "layers", "backbone.model.layers", "backbone.layers", "transformer.h")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingOptions:
+    """What the recipe chooses; the rest comes from the backend.
+
+    ``cpu_offload`` keeps sharded params, grads and optimizer state in host memory (accelerators only).
+    ``reshard_after_forward`` frees gathered layer weights after forward (less memory, one more
+    all-gather in backward).
+    """
+
+    enabled: bool = True
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise BadInputError(f"unknown dtype name {name!r} in the backend's sharding policy")
+    return dtype
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the first ModuleList found at a known path, else by class name.
+
+    The class-name fallback uses HF's ``_no_split_modules`` (the classes transformers itself never
+    splits across devices), which names exactly the decoder-layer classes.
+    """
+    from torch import nn
+
+    for path in _LAYER_PATHS:
+        node: object = model
+        for part in path.split("."):
+            node = getattr(node, part, None)
+            if node is None:
+                break
+        if isinstance(node, nn.ModuleList) and len(node) > 0:
+            return list(node)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names and m is not model]
+
+
+def check_sharding(backend: Backend, world_size: int, options: ShardingOptions) -> None:
+    """Refuse what the backend cannot do, with a message that says what to change."""
+    backend.check_world_size(world_size)
+    policy = backend.sharding_policy()
+    if options.cpu_offload and not policy.cpu_offload_supported:
+        raise BadInputError(
+            f"backend {backend.name!r} does not support sharding.cpu_offload "
+            f"(on the cpu backend parameters already live in host memory); set sharding.cpu_offload=false"
+        )
+    for name in (policy.param_dtype, policy.reduce_dtype):
+        _dtype(name)
+
+
+def apply_sharding(model: nn.Module, backend: Backend, policy: ShardingOptions | None = None) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 (per decoder layer, then the root); returns the same module.
+
+    No-op without an initialised process group. Call it on the actor, the reference model and the
+    critic alike, before building their optimizers (the optimizer must see the sharded DTensor params).
+    """
+    import torch.distributed as dist
+
+    options = policy or ShardingOptions()
+    if not options.enabled or not (dist.is_available() and dist.is_initialized()):
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    world_size = dist.get_world_size()
+    check_sharding(backend, world_size, options)
+    bp = backend.sharding_policy()
+    mesh = init_device_mesh(backend.device_type, (world_size,))
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=_dtype(bp.param_dtype), reduce_dtype=_dtype(bp.reduce_dtype)),
+        "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
+    }
+    layers = decoder_layers(model)
+    if not layers:
+        raise BadInputError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    # The root is only resharded after backward: its forward output feeds the loss right away.
+    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
+    """Global L2 grad norm over all parameters (sharded DTensor or plain), then clip to ``max_norm``.
+
+    Returns the pre-clip total norm as a plain (replicated) scalar tensor on every rank: for DTensor
+    grads the per-shard squares are summed across the mesh, so the result equals the unsharded norm.
+    ``max_norm=None`` or ``<= 0`` measures without clipping.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    # Sum of squares of what this rank holds: sharded DTensors contribute their local shard and are
+    # summed across their mesh with one all-reduce per mesh; anything else (plain tensors, replicated
+    # DTensors) is counted once, as it is identical on every rank.
+    device = grads[0].to_local().device if isinstance(grads[0], DTensor) else grads[0].device
+    local_sq = torch.zeros((), dtype=torch.float32, device=device)
+    sharded_sq: dict[object, torch.Tensor] = {}
+    for g in grads:
+        if isinstance(g, DTensor) and all(pl.is_shard() for pl in g.placements):
+            part = torch.linalg.vector_norm(g.to_local(), 2, dtype=torch.float32) ** 2
+            mesh = g.device_mesh
+            sharded_sq[mesh] = sharded_sq.get(mesh, torch.zeros_like(local_sq)) + part.to(device)
+        elif isinstance(g, DTensor):
+            local_sq = local_sq + torch.linalg.vector_norm(g.full_tensor(), 2, dtype=torch.float32).to(device) ** 2
+        else:
+            local_sq = local_sq + torch.linalg.vector_norm(g, 2, dtype=torch.float32).to(device) ** 2
+    for mesh, sq in sharded_sq.items():
+        import torch.distributed as dist
+
+        for dim in range(mesh.ndim):
+            dist.all_reduce(sq, group=mesh.get_group(dim))
+        local_sq = local_sq + sq
+    total = local_sq.sqrt()
+    if max_norm is not None and max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            local = g.to_local() if isinstance(g, DTensor) else g
+            local.mul_(coef.to(local.device))
+    return total
