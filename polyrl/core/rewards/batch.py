@@ -1,0 +1,72 @@
+"""Scoring a batch of responses without ever failing the run.
+
+A reward function is user-facing code (plugins, symbolic math): it may raise, return NaN, or hang.
+``score_batch`` turns each of those into the task's ``failure_score`` and counts it, so a bad reward
+costs one sample, never a run. Tasks that score inline (the synthetic family: microseconds) are
+called directly — a slow inline call is counted as a timeout after the fact, since it cannot be
+interrupted safely; tasks that declare ``remote_score`` (math) run in time-bounded worker processes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from polyrl.core.rewards.pool import OK, TIMEOUT, shared_pool
+from polyrl.core.tasks import Example, Task
+
+DEFAULT_TIMEOUT_S = 10.0
+
+
+class RewardFn(Protocol):
+    """A picklable scoring function: ``fn(answer, response) -> float`` (e.g. ``math_reward``)."""
+
+    def __call__(self, answer: str, response: str) -> float: ...
+
+
+def score_batch(task: Task, examples: Sequence[Example], responses: Sequence[str], *,
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[float], dict[str, int]]:
+    """Score ``responses[i]`` against ``examples[i]``; never raises for a failing reward.
+
+    Returns the scores and ``{"reward/errors": n, "reward/timeouts": n}``. A call that raises,
+    returns a non-finite value, or runs past ``timeout_s`` seconds scores ``task.failure_score``
+    (0.0 for synthetic tasks, -1.0 for math).
+    """
+    if len(examples) != len(responses):
+        raise ValueError(f"score_batch: {len(examples)} examples but {len(responses)} responses")
+    failure = float(getattr(task, "failure_score", 0.0))
+    remote = getattr(task, "remote_score", None)
+    scores: list[float] = []
+    errors = timeouts = 0
+    if remote is not None:
+        results = shared_pool().map(remote, [(ex.answer, r) for ex, r in zip(examples, responses)], timeout_s)
+        for status, value in results:
+            if status == OK and math.isfinite(value):
+                scores.append(value)
+                continue
+            scores.append(failure)
+            if status == TIMEOUT:
+                timeouts += 1
+            else:
+                errors += 1
+        return scores, {"reward/errors": errors, "reward/timeouts": timeouts}
+
+    for example, response in zip(examples, responses):
+        start = time.perf_counter()
+        try:
+            value: Any = float(task.score(example, response))
+        except Exception:
+            errors += 1
+            scores.append(failure)
+            continue
+        if time.perf_counter() - start > timeout_s:
+            timeouts += 1
+            scores.append(failure)
+        elif not math.isfinite(value):
+            errors += 1
+            scores.append(failure)
+        else:
+            scores.append(value)
+    return scores, {"reward/errors": errors, "reward/timeouts": timeouts}
