@@ -1,0 +1,210 @@
+"""Backward kernels: preprocess (D = rowsum(dO * O')), dK/dV per kv head, dQ per q tile. No atomics.
+
+The backward is a standard flash backward run on (O', LSE') — REFERENCE §1: with P'_ij = exp(l_ij - LSE'_i),
+``dS = P' * (dO V^T - D)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P'^T dO``; the sink only enters
+through LSE' and through ``dsink_h = -sum_i p_sink_i D_i`` (computed by the caller from D and LSE').
+
+dK/dV: program = (BLOCK_N keys, kv head). It walks the q tiles that can see its keys — rows are
+(token, head-of-the-group) pairs exactly as in the forward — so the sum over the G query heads of the group
+happens in the fp32 dK/dV registers; nothing of size Hq x T x D is ever materialised.
+dQ: program = (q tile, kv head), the forward's key walk again. Each output element is written by exactly one
+program, so the backward is deterministic.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from polyrl.backends.cuda.kernels.configs import dkdv_configs, dq_configs
+from polyrl.backends.cuda.kernels.forward import prune_rows
+
+
+@triton.jit
+def bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, R, stride_or, stride_dor,
+                          DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # Rows are (token, head) flattened: o viewed as [T * Hq, Dv] with row stride ``stride_or``.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_DV)
+    mask = (rows[:, None] < R) & (cols[None, :] < DV)
+    o = tl.load(o_ptr + rows[:, None] * stride_or + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + rows[:, None] * stride_dor + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + rows, tl.sum(o * do, 1), mask=rows < R)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+             qk_scale, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
+             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    j = start_n + offs_n
+    if MASKED:
+        kmask = (j[:, None] < T) & (offs_d[None, :] < D)
+        vmask = (j[:, None] < T) & (offs_dv[None, :] < DV)
+    else:
+        kmask = offs_d[None, :] < D
+        vmask = offs_dv[None, :] < DV
+    k = tl.load(k_base + j[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)  # (BN, D)
+    v = tl.load(v_base + j[:, None] * stride_vt + offs_dv[None, :], mask=vmask, other=0.0)  # (BN, DV)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, BN)
+    if MASKED:
+        vis = (j[None, :] <= t_row[:, None]) & (j[None, :] >= ds_row[:, None])
+        if HAS_WINDOW:
+            vis = vis & (t_row[:, None] - j[None, :] < W)
+        s = tl.where(vis, s, float("-inf"))
+    p = tl.exp2(s - lse2[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, BN)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.autotune(configs=dq_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
+                 prune_configs_by={"early_config_prune": prune_rows})
+@triton.jit
+def attn_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
+    T, W, G, qk_scale, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh,
+    HQ, D: tl.constexpr, DV: tl.constexpr,
+    G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    BLOCK_T: tl.constexpr = BLOCK_M // G_P
+    pid_t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    a = pid_t * BLOCK_T
+    offs_r = tl.arange(0, BLOCK_M)
+    t_row = a + offs_r // G_P
+    g_row = offs_r % G_P
+    h_row = kvh * G + g_row
+    row_ok = (t_row < T) & (g_row < G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q = tl.load(q_ptr + t_row[:, None] * stride_qt + h_row[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(do_ptr + t_row[:, None] * stride_dot + h_row[:, None] * stride_doh + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    # Invalid rows get LSE' = +inf, hence P' = 0 and no contribution anywhere.
+    lse2 = tl.load(lse_ptr + t_row * HQ + h_row, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptr + t_row * HQ + h_row, mask=row_ok, other=0.0)
+    ds_row = tl.load(doc_start_ptr + t_row, mask=t_row < T, other=0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    last = tl.minimum(a + BLOCK_T, T) - 1
+    lo = tl.load(doc_start_ptr + a)
+    full_lo = tl.load(doc_start_ptr + last)
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, a - W + 1)
+        full_lo = tl.maximum(full_lo, last - W + 1)
+    k_start = (lo // BLOCK_N) * BLOCK_N
+    k_end = last + 1
+    s1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, k_start), k_end)
+    s2 = tl.minimum(tl.maximum(((a + 1) // BLOCK_N) * BLOCK_N, s1), k_end)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    for start_n in range(k_start, s1, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+                      qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW, DOT_PREC)
+    for start_n in range(s1, s2, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+                      qk_scale, offs_n, offs_d, offs_dv, D, DV, False, HAS_WINDOW, DOT_PREC)
+    for start_n in range(s2, k_end, BLOCK_N):
+        dq = _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+                      qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW, DOT_PREC)
+    dq = dq * scale
+    tl.store(dq_ptr + t_row[:, None] * stride_dqt + h_row[:, None] * stride_dqh + offs_d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+               stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+               D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr,
+               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    t_row = a + offs_r // G_P
+    g_row = offs_r % G_P
+    h_row = kvh * G + g_row
+    row_ok = (t_row < T) & (g_row < G)
+    q = tl.load(q_ptr + t_row[:, None] * stride_qt + h_row[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
+    do = tl.load(do_ptr + t_row[:, None] * stride_dot + h_row[:, None] * stride_doh + offs_dv[None, :],
+                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (M, DV)
+    lse2 = tl.load(lse_ptr + t_row * HQ + h_row, mask=row_ok, other=float("inf")) * 1.4426950408889634
+    delta = tl.load(delta_ptr + t_row * HQ + h_row, mask=row_ok, other=0.0)
+    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BN, M)
+    if MASKED:
+        ds_row = tl.load(doc_start_ptr + t_row, mask=t_row < T, other=0)
+        vis = (j[:, None] <= t_row[None, :]) & (j[:, None] >= ds_row[None, :])
+        if HAS_WINDOW:
+            vis = vis & (t_row[None, :] - j[:, None] < W)
+        sT = tl.where(vis, sT, float("-inf"))
+    pT = tl.exp2(sT - lse2[None, :])
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, M)
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.autotune(configs=dkdv_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
+                 prune_configs_by={"early_config_prune": prune_rows})
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_start_ptr, doc_end_ptr,
+    T, W, G, qk_scale, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    HQ, D: tl.constexpr, DV: tl.constexpr,
+    G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    BLOCK_T: tl.constexpr = BLOCK_M // G_P
+    c = tl.program_id(0) * BLOCK_N
+    kvh = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    j = c + tl.arange(0, BLOCK_N)
+    jmask = j < T
+    k = tl.load(k_ptr + j[:, None] * stride_kt + kvh * stride_kh + offs_d[None, :],
+                mask=jmask[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(v_ptr + j[:, None] * stride_vt + kvh * stride_vh + offs_dv[None, :],
+                mask=jmask[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    # Queries that can see keys [c, last_j]: tokens [c, hi] with hi bounded by the last key's document end
+    # and by the window. Interior q tiles (no mask): after the diagonal, inside the first key's document,
+    # and within the window of the first key.
+    last_j = tl.minimum(c + BLOCK_N, T) - 1
+    hi = tl.load(doc_end_ptr + last_j) - 1
+    e_full = tl.load(doc_end_ptr + c)
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, last_j + W - 1)
+        e_full = tl.minimum(e_full, c + W)
+    q_start = (c // BLOCK_T) * BLOCK_T
+    q_end = hi + 1
+    s1 = tl.minimum(tl.maximum(tl.cdiv(c + BLOCK_N - 1, BLOCK_T) * BLOCK_T, q_start), q_end)
+    s2 = tl.minimum(tl.maximum((e_full // BLOCK_T) * BLOCK_T, s1), q_end)
+    for a in range(q_start, s1, BLOCK_T):
+        dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+                            stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                            D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+    for a in range(s1, s2, BLOCK_T):
+        dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+                            stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                            D, DV, G_P, False, HAS_WINDOW, DOT_PREC)
+    for a in range(s2, q_end, BLOCK_T):
+        dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+                            stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                            D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+    dk = dk * scale
+    tl.store(dk_ptr + j[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=jmask[:, None] & (offs_d[None, :] < D))
+    tl.store(dv_ptr + j[:, None] * stride_dvt + kvh * stride_dvh + offs_dv[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=jmask[:, None] & (offs_dv[None, :] < DV))

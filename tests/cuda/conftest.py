@@ -1,0 +1,15 @@
+"""tests/cuda: Triton kernels under the interpreter on CPU, and the same kernels on a real GPU (marked gpu).
+
+Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates, i.e. when polyrl.backends.cuda.kernels is first
+imported. On a machine without CUDA we switch the interpreter on here, before any test module imports the
+kernels; on a CUDA machine the kernels compile for the GPU and only the ``gpu`` tests apply.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
