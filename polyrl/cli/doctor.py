@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import re
+import sys
 from importlib import metadata
 from pathlib import Path
 
