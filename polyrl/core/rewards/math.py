@@ -51,7 +51,7 @@ def extract_answer(response: str) -> str | None:
         boxed = _boxed_contents(answer)
         if boxed is not None:
             answer = boxed
-        answer = answer.strip().strip("$").strip().rstrip(".").strip()
+        answer = re.sub(r"^[\s$]+|[\s$.]+$", "", answer)  # "$x$." -> "x"
         return answer or None
     return _boxed_contents(tail)
 
