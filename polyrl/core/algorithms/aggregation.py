@@ -43,9 +43,7 @@ def _all_reduce_sum(value: torch.Tensor, group: object | None) -> torch.Tensor:
     return value
 
 
-def global_token_count(
-    mask: torch.Tensor | Sequence[torch.Tensor], group: object | None = None
-) -> int:
+def global_token_count(mask: torch.Tensor | Sequence[torch.Tensor], group: object | None = None) -> int:
     """Number of valid tokens in the whole mini-batch, over all micro-batches and all ranks.
 
     Args:
@@ -62,9 +60,7 @@ def global_token_count(
     return int(_all_reduce_sum(total, group).item())
 
 
-def global_seq_count(
-    mask: torch.Tensor | Sequence[torch.Tensor], group: object | None = None
-) -> int:
+def global_seq_count(mask: torch.Tensor | Sequence[torch.Tensor], group: object | None = None) -> int:
     """Number of sequences (rows with at least one valid token) over all micro-batches and ranks.
 
     Args:

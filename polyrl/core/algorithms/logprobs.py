@@ -116,8 +116,13 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 for s0 in range(t0, t1, half):
                     s1 = min(s0 + half, t1)
                     g3[b, s0:s1] = _grad_both_block(
-                        x3[b, s0:s1], lab3[b, s0:s1], lse[b, s0:s1].unsqueeze(-1),
-                        ent[b, s0:s1].unsqueeze(-1), gl[b, s0:s1], ge[b, s0:s1], tau,
+                        x3[b, s0:s1],
+                        lab3[b, s0:s1],
+                        lse[b, s0:s1].unsqueeze(-1),
+                        ent[b, s0:s1].unsqueeze(-1),
+                        gl[b, s0:s1],
+                        ge[b, s0:s1],
+                        tau,
                     )
         return grad, None, None, None, None
 
@@ -135,9 +140,7 @@ def _grad_logp_block(
     return block
 
 
-def _grad_ent_block(
-    x: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, g: torch.Tensor, tau: float
-) -> torch.Tensor:
+def _grad_ent_block(x: torch.Tensor, lse: torch.Tensor, ent: torch.Tensor, g: torch.Tensor, tau: float) -> torch.Tensor:
     """g·∂H/∂z = g·e^{−H}·entr(q)/τ with q = exp(log p + H), in one fp32 block."""
     block = _fp32_block(x, tau)
     block.sub_(lse - ent).exp_()  # q
@@ -211,9 +214,7 @@ def logprobs_from_logits(
     return logp
 
 
-def entropy_from_logits(
-    logits: torch.Tensor, chunk_size: int = 1024, *, temperature: float = 1.0
-) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 1024, *, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits/τ) per position in fp32, chunked. Shape: [..., T, V] -> [..., T]."""
     _check(logits, None, chunk_size, temperature)
     labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)

@@ -66,9 +66,7 @@ def policy_loss(
     else:
         clipfrac_lower = torch.zeros((), device=logp.device)
         loss_mat = clipped
-    loss = aggregate(
-        loss_mat, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
-    )
+    loss = aggregate(loss_mat, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
     metrics = {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower}
     return loss, metrics
 
@@ -106,9 +104,7 @@ def value_loss(
         loss_mat = torch.maximum(err1, err2)
         with torch.no_grad():
             clipfrac = masked_mean((err2 > err1).float(), mask)
-    loss = 0.5 * aggregate(
-        loss_mat, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
-    )
+    loss = 0.5 * aggregate(loss_mat, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
     with torch.no_grad():
         vpred_mean = masked_mean(values.detach().float(), mask)
     return loss, {"vf_clipfrac": clipfrac, "vpred_mean": vpred_mean}
@@ -127,6 +123,4 @@ def entropy_loss(
 
     Args: entropy [B, T] (``entropy_from_logits``); mask [B, T]; the rest as in ``aggregate``.
     """
-    return aggregate(
-        entropy, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len
-    )
+    return aggregate(entropy, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
