@@ -1,0 +1,1 @@
+"""What plugin authors and polyrl's own tests reuse: the conformance kit, parity harness, emulators."""
