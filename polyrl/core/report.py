@@ -1,0 +1,217 @@
+"""``polyrl report RUN_DIR``: a PNG of the training curves and a Markdown summary of a run.
+
+Design choice: the report reads only the run directory's files (``metrics.jsonl`` and, when present,
+``config.yaml``), never the trainer's objects, so it works on a finished run, a crashed one (a
+half-written last line is skipped) or one still in progress, and on runs from another machine.
+Panels are chosen by metric name and drawn only when the run logged them: a GRPO run has no value
+loss, a run without KL has no KL panel. Plotting uses matplotlib's object API on the Agg canvas (no
+pyplot global state, no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from polyrl.core.errors import BadInputError
+
+METRICS_FILE, CONFIG_FILE = "metrics.jsonl", "config.yaml"
+PNG_FILE, MD_FILE = "report.png", "report.md"
+WINDOW = 10  # steps averaged for the "first" / "last" figures
+
+# (panel title, predicate over metric names). A metric may appear in several panels.
+PANELS: list[tuple[str, Callable[[str], bool]]] = [
+    ("reward", lambda k: k in ("reward/mean", "reward/max", "reward/min") or k == "reward/score_mean"),
+    # the value loss has its own panel: its scale often dwarfs the policy loss
+    ("losses", lambda k: k.startswith("loss/") and k != "loss/value"),
+    ("value loss", lambda k: k == "loss/value"),
+    ("KL", lambda k: k == "actor/kl" or k.startswith("kl/") or k == "actor/ppo_kl"),
+    ("clip fractions", lambda k: "clipfrac" in k),
+    ("response length", lambda k: k.startswith("response/length")),
+    ("DAPO sampling", lambda k: k.startswith("dapo/")),
+    ("entropy", lambda k: k.endswith("entropy")),
+    ("rollout vs trainer logprobs", lambda k: k == "rollout/logprob_diff"),
+    ("time per step (s)", lambda k: k == "time/step_s"),
+]
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """The run's metric records and the number of unreadable lines skipped (e.g. a half-written last one)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BadInputError(f"run directory {run_dir}: not found")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise BadInputError(f"run directory {run_dir}: no {METRICS_FILE} (has the run started?)")
+    records, skipped = [], 0
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1
+                continue
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                skipped += 1
+    if not records:
+        raise BadInputError(f"{path}: no metric records")
+    return records, skipped
+
+
+def series(records: list[dict[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """(steps, values) of one metric over the records that hold a finite value for it."""
+    steps, values = [], []
+    for i, record in enumerate(records):
+        value = record.get(key)
+        if _finite(value):
+            step = record.get("step")
+            steps.append(float(step) if _finite(step) else float(i))
+            values.append(float(value))
+    return steps, values
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def _numeric_keys(records: list[dict[str, Any]]) -> list[str]:
+    keys: dict[str, None] = {}
+    for record in records:
+        for key, value in record.items():
+            if key != "step" and _finite(value):
+                keys.setdefault(key, None)
+    return list(keys)
+
+
+def plot(records: list[dict[str, Any]], png_path: Path) -> list[str]:
+    """Draw the panels that have data into ``png_path``; returns the panel titles drawn."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError("polyrl report needs matplotlib (pip install 'polyrl[report]')") from None
+    keys = _numeric_keys(records)
+    panels = [(title, [k for k in keys if pred(k)]) for title, pred in PANELS]
+    panels = [(title, ks) for title, ks in panels if ks]
+    cols = 2 if len(panels) > 1 else 1
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig = Figure(figsize=(6.0 * cols, 3.2 * rows), constrained_layout=True)
+    FigureCanvasAgg(fig)
+    for i, (title, ks) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for key in ks:
+            steps, values = series(records, key)
+            line, = ax.plot(steps, values, label=key, linewidth=1.0, marker="." if len(values) < 30 else None)
+            if key == "reward/mean" and len(values) > WINDOW:  # trailing mean: the trend under sampling noise
+                smooth = [_mean(values[max(0, j + 1 - WINDOW) : j + 1]) for j in range(len(values))]
+                ax.plot(steps, smooth, color=line.get_color(), linewidth=2.2, alpha=0.6,
+                        label=f"{key} ({WINDOW}-step mean)")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    if not panels:
+        ax = fig.add_subplot(1, 1, 1)
+        ax.text(0.5, 0.5, "no plottable metrics", ha="center", va="center")
+        ax.set_axis_off()
+    fig.savefig(png_path, dpi=100)
+    return [title for title, _ in panels]
+
+
+def _flatten(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    if isinstance(value, dict):
+        out = []
+        for key, sub in value.items():
+            out.extend(_flatten(sub, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return [(prefix, value)]
+
+
+def _config_lines(run_dir: Path, limit: int = 80) -> list[str]:
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return []
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        return [f"(config.yaml unreadable: {str(exc).splitlines()[0]})"]
+    if not isinstance(config, dict):
+        return ["(config.yaml is not a mapping)"]
+    items = [(k, v) for k, v in _flatten(config) if not isinstance(v, (list, dict)) or not v]
+    lines = ["| key | value |", "|---|---|"]
+    lines += [f"| `{k}` | {json.dumps(v) if not isinstance(v, str) else v} |" for k, v in items[:limit]]
+    if len(items) > limit:
+        lines.append(f"| … | {len(items) - limit} more keys in config.yaml |")
+    return lines
+
+
+def _fmt(x: float) -> str:
+    if not math.isfinite(x):
+        return "—"
+    return f"{x:.4g}"
+
+
+def summarize(records: list[dict[str, Any]], run_dir: Path, panels: list[str], skipped: int) -> str:
+    """The Markdown summary (see ``write_report``)."""
+    _, rewards = series(records, "reward/mean")
+    _, step_times = series(records, "time/step_s")
+    lines = [f"# Run report: {run_dir.name}", ""]
+    last_step = records[-1].get("step", len(records))
+    lines.append(f"- steps logged: {len(records)} (last step {last_step})")
+    if skipped:
+        lines.append(f"- unreadable lines skipped in {METRICS_FILE}: {skipped}")
+    if rewards:
+        first, last = _mean(rewards[:WINDOW]), _mean(rewards[-WINDOW:])
+        lines.append(f"- reward/mean: first {min(WINDOW, len(rewards))} steps {_fmt(first)}, "
+                     f"last {min(WINDOW, len(rewards))} steps {_fmt(last)} (change {_fmt(last - first)}), "
+                     f"best {_fmt(max(rewards))}")
+    if step_times:
+        lines.append(f"- time: {_fmt(sum(step_times))} s in steps, {_fmt(_mean(step_times))} s per step")
+    lines += ["", f"![training curves]({PNG_FILE})", ""]
+
+    keys = _numeric_keys(records)
+    if keys:
+        lines += ["## Metrics", "", f"| metric | first {WINDOW} | last {WINDOW} | final |", "|---|---|---|---|"]
+        for key in sorted(keys):
+            _, values = series(records, key)
+            lines.append(f"| `{key}` | {_fmt(_mean(values[:WINDOW]))} | {_fmt(_mean(values[-WINDOW:]))} | "
+                         f"{_fmt(values[-1])} |")
+        lines.append("")
+    losses = [k for k in keys if k.startswith("loss/")]
+    if losses:
+        final = ", ".join(f"{k} {_fmt(series(records, k)[1][-1])}" for k in sorted(losses))
+        lines += [f"Final losses: {final}.", ""]
+    lines += [f"Panels drawn: {', '.join(panels) or 'none'}.", ""]
+    config = _config_lines(run_dir)
+    if config:
+        lines += ["## Config", "", *config, ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: str | Path) -> tuple[Path, Path]:
+    """Write ``report.png`` and ``report.md`` into ``run_dir`` from its ``metrics.jsonl``.
+
+    ``metrics.jsonl`` holds one JSON object per step (``step``, ``reward/mean``, ``loss/policy``,
+    optionally ``loss/value``, ``actor/kl`` or ``kl/*``, ``actor/pg_clipfrac``,
+    ``actor/pg_clipfrac_lower``, ``response/length_mean``, ``dapo/*``, ``time/step_s``, ...); whatever
+    exists is plotted. Raises ``BadInputError`` for a missing run directory or metrics file.
+    """
+    run_dir = Path(run_dir)
+    records, skipped = read_metrics(run_dir)
+    png_path, md_path = run_dir / PNG_FILE, run_dir / MD_FILE
+    panels = plot(records, png_path)
+    md_path.write_text(summarize(records, run_dir, panels, skipped), encoding="utf-8")
+    return png_path, md_path

@@ -1,0 +1,97 @@
+"""polyrl report: PNG + Markdown from a run directory; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from polyrl.cli import main as cli_main
+from polyrl.core.errors import BadInputError
+from polyrl.core.report import read_metrics, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def make_run(tmp_path, *, ppo=True, steps=30, config=True, partial_last_line=False):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = []
+    for s in range(1, steps + 1):
+        record = {"step": s, "reward/mean": 0.1 + 0.8 * s / steps, "loss/policy": 1.0 / s,
+                  "actor/pg_clipfrac": 0.01, "actor/pg_clipfrac_lower": 0.001, "actor/kl": 0.001 * s,
+                  "response/length_mean": 4.0, "time/step_s": 0.5, "dapo/groups_filtered": s % 3}
+        if ppo:
+            record["loss/value"] = 2.0 / s
+        lines.append(json.dumps(record))
+    text = "\n".join(lines) + "\n"
+    if partial_last_line:
+        text += '{"step": 31, "reward/me'
+    (run / "metrics.jsonl").write_text(text)
+    if config:
+        (run / "config.yaml").write_text("model:\n  arch: gpt_oss\n  hidden: 32\nalgorithm:\n  name: dapo\n  clip_high: 0.28\n")
+    return run
+
+
+def test_report_writes_png_and_summary(tmp_path):
+    run = make_run(tmp_path)
+    png, md = write_report(run)
+    assert png == run / "report.png" and md == run / "report.md"
+    assert png.read_bytes()[:8] == PNG_MAGIC and png.stat().st_size > 10_000
+    text = md.read_text()
+    assert "steps logged: 30 (last step 30)" in text
+    first10 = sum(0.1 + 0.8 * s / 30 for s in range(1, 11)) / 10
+    last10 = sum(0.1 + 0.8 * s / 30 for s in range(21, 31)) / 10
+    assert f"first 10 steps {first10:.4g}" in text and f"last 10 steps {last10:.4g}" in text
+    assert "15 s in steps" in text
+    assert "loss/value 0.06667" in text  # final losses
+    for panel in ("reward", "losses", "value loss", "KL", "clip fractions", "response length", "DAPO sampling"):
+        assert panel in text.split("Panels drawn:")[1]
+    assert "| `model.arch` | gpt_oss |" in text and "| `algorithm.clip_high` | 0.28 |" in text
+
+
+def test_report_without_optional_metrics_or_config(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5, "loss/policy": 0.1}) + "\n")
+    png, md = write_report(run)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    text = md.read_text()
+    assert "loss/value" not in text and "## Config" not in text
+    assert "Panels drawn: reward, losses." in text
+
+
+def test_half_written_last_line_and_non_finite_values_are_tolerated(tmp_path):
+    run = make_run(tmp_path, steps=5, config=False, partial_last_line=True)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("\n" + json.dumps({"step": 6, "reward/mean": math.nan, "loss/policy": 0.2}) + "\n")
+    records, skipped = read_metrics(run)
+    assert len(records) == 6 and skipped == 1
+    _, md = write_report(run)
+    assert "unreadable lines skipped in metrics.jsonl: 1" in md.read_text()
+
+
+def test_cli_report_ok_and_bad_input(tmp_path, capsys):
+    run = make_run(tmp_path, steps=3)
+    assert cli_main(["report", str(run)]) == 0
+    assert "report.png" in capsys.readouterr().out
+
+    assert cli_main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not found" in err and "Traceback" not in err
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli_main(["report", str(empty)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no metrics.jsonl" in err and err.count("\n") == 0
+    assert not (empty / "report.png").exists()  # nothing written on bad input
+
+
+def test_metrics_file_without_records_is_bad_input(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("\n[1, 2]\n")
+    with pytest.raises(BadInputError, match="no metric records"):
+        write_report(run)
