@@ -1,0 +1,186 @@
+"""The attention op of polyrl: packed causal attention with sliding window, sinks and GQA.
+
+Two forms share one semantics (DESIGN.md "Public API contract", REFERENCE.md §1-2):
+
+- :func:`varlen_attention` — training: packed documents, no padding, one query per key. It validates its
+  inputs once here and dispatches to the active (or named) backend, whose ``varlen_attention`` is a native
+  kernel or the exact reference of :mod:`polyrl.core.reference_attention`.
+- :func:`decode_attention` — generation: a batch of queries sitting at the END of a KV cache
+  (q_len <= k_len, bottom-right aligned) with a key padding mask (left padding). It is dense over the
+  cache (chunked over queries) and runs the same fp32 math on every backend for now: no backend provides a
+  decoding kernel yet, so this is the reference fallback everywhere.
+
+Window ``W``: a query sees the W most recent keys of its document, itself included (``q - k < W``).
+Sinks: one unscaled logit per query head joining the softmax denominator only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from polyrl.core.backend import Backend
+
+DECODE_QUERY_CHUNK = 256  # queries per dense tile in decode_attention: bounds memory at chunk x k_len
+
+
+def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, sinks, *, ndim: int) -> None:
+    names = {"q": q, "k": k, "v": v}
+    for name, x in names.items():
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    hq, d = q.shape[-2], q.shape[-1]
+    hkv = k.shape[-2]
+    if k.shape[-1] != d:
+        raise ValueError(f"q and k head dims differ: {d} vs {k.shape[-1]}")
+    if v.shape[-2] != hkv:
+        raise ValueError(f"k and v head counts differ: {hkv} vs {v.shape[-2]}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be None or an int >= 1 (keys seen, query included), got {window!r}")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+            raise ValueError("sinks must be None or a floating point tensor of shape [Hq]")
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must have shape [Hq] = [{hq}], got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> None:
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1] (0, end of doc 1, ..., T)")
+    if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
+        raise ValueError(f"cu_seqlens must be an integer tensor (int32), got {cu_seqlens.dtype}")
+    cu = cu_seqlens.tolist()
+    if cu[0] != 0 or cu[-1] != t:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu[0]} .. {cu[-1]}")
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing")
+
+
+def _pick_backend(backend: str | Backend | None) -> Backend:
+    from polyrl.core.selection import get_active_backend, resolve_backend
+
+    if backend is None:
+        return get_active_backend()
+    if isinstance(backend, str):
+        return resolve_backend(backend)
+    return backend
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    backend: str | Backend | None = None,
+) -> torch.Tensor:
+    """Causal attention over packed documents, with optional sliding window and sinks.
+
+    Args:
+        q: [T, Hq, D]; k: [T, Hkv, D]; v: [T, Hkv, Dv] (Dv may differ from D), one dtype.
+        cu_seqlens: integer [N+1], 0 first, T last: document i is tokens cu[i]:cu[i+1].
+        scale: logit scale, default D ** -0.5.
+        window: None (full causal) or W >= 1: a query sees its W most recent keys, itself included.
+        sinks: None or [Hq]: unscaled per-head logit in the softmax denominator only.
+        backend: None (the active backend), a backend name, or a Backend object.
+
+    Returns:
+        [T, Hq, Dv] in q's dtype, differentiable in q, k, v and sinks.
+    """
+    _check_common(q, k, v, window, sinks, ndim=3)
+    t = q.shape[0]
+    if k.shape[0] != t or v.shape[0] != t:
+        raise ValueError(f"q, k, v must have the same number of tokens, got {t}, {k.shape[0]}, {v.shape[0]}")
+    _check_cu_seqlens(cu_seqlens, t)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _pick_backend(backend).varlen_attention(
+        q, k, v, cu_seqlens, scale=float(scale), window=window, sinks=sinks
+    )
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of the last ``Sq`` positions of each row over its KV cache (generation form).
+
+    Query i of a row sits at key position ``Sk - Sq + i`` (bottom-right aligned) and sees keys j with
+    ``j <= Sk - Sq + i``, ``(Sk - Sq + i) - j < window`` and ``key_padding_mask[b, j]``. Positions count
+    cache slots, padding included (as transformers' masks do). A query with no visible key (a padded
+    position of a left-padded prompt) returns zeros.
+
+    This form is the fp32 reference on every backend (no backend ships a decoding kernel yet); it is dense
+    over the cache and chunked over queries, and differentiable through ordinary autograd.
+
+    Args:
+        q: [B, Sq, Hq, D]; k_cache: [B, Sk, Hkv, D]; v_cache: [B, Sk, Hkv, Dv]; Sq <= Sk.
+        key_padding_mask: None or bool [B, Sk], True for real tokens.
+
+    Returns:
+        [B, Sq, Hq, Dv] in q's dtype.
+    """
+    _check_common(q, k_cache, v_cache, window, sinks, ndim=4)
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if k_cache.shape[0] != b or v_cache.shape[:2] != k_cache.shape[:2]:
+        raise ValueError(
+            f"batch/length mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
+    if sq > sk:
+        raise ValueError(f"decode_attention needs q_len <= k_len (queries at the end of the cache), got {sq} > {sk}")
+    if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, sk):
+        raise ValueError(f"key_padding_mask must have shape [B, Sk] = [{b}, {sk}], got {tuple(key_padding_mask.shape)}")
+    if scale is None:
+        scale = d**-0.5
+    g = hq // hkv
+    kf = k_cache.float().permute(0, 2, 3, 1)  # [B, Hkv, D, Sk]
+    vf = v_cache.float().transpose(1, 2)  # [B, Hkv, Sk, Dv]
+    kpos = torch.arange(sk, device=q.device)
+    valid = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)
+    sink = None if sinks is None else sinks.float().view(1, hkv, g, 1)
+    outs = []
+    for cs in range(0, sq, DECODE_QUERY_CHUNK):
+        ce = min(cs + DECODE_QUERY_CHUNK, sq)
+        c = ce - cs
+        qf = q[:, cs:ce].float().view(b, c, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * c, d)
+        s = torch.matmul(qf, kf).mul(scale).view(b, hkv, g, c, sk)
+        qpos = torch.arange(sk - sq + cs, sk - sq + ce, device=q.device)[:, None]  # [c, 1]
+        allowed = kpos[None, :] <= qpos
+        if window is not None:
+            allowed = allowed & (qpos - kpos[None, :] < window)
+        allowed = allowed[None].expand(b, c, sk)
+        if valid is not None:
+            allowed = allowed & valid[:, None, :]
+        s = s.masked_fill(~allowed[:, None, None], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, c]
+        if sink is not None:
+            lse = torch.logaddexp(lse, sink)
+        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # rows with nothing visible -> 0
+        p = torch.exp(s - lse[..., None]).view(b, hkv, g * c, sk)
+        o = torch.matmul(p, vf).view(b, hkv, g, c, dv).permute(0, 3, 1, 2, 4).reshape(b, c, hq, dv)
+        outs.append(o)
+    return torch.cat(outs, dim=1).to(q.dtype)
