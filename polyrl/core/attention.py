@@ -16,6 +16,7 @@ Sinks: one unscaled logit per query head joining the softmax denominator only.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,7 +67,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> None:
     cu = cu_seqlens.tolist()
     if cu[0] != 0 or cu[-1] != t:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu[0]} .. {cu[-1]}")
-    if any(b < a for a, b in zip(cu, cu[1:])):
+    if any(b < a for a, b in itertools.pairwise(cu)):
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
@@ -111,9 +112,7 @@ def varlen_attention(
     _check_cu_seqlens(cu_seqlens, t)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _pick_backend(backend).varlen_attention(
-        q, k, v, cu_seqlens, scale=float(scale), window=window, sinks=sinks
-    )
+    return _pick_backend(backend).varlen_attention(q, k, v, cu_seqlens, scale=float(scale), window=window, sinks=sinks)
 
 
 def decode_attention(

@@ -35,9 +35,7 @@ def _key_range(qs: int, qe: int, cu: list[int], window: int | None) -> tuple[int
     return lo, qe
 
 
-def _tile_mask(
-    qs: int, qe: int, ks: int, ke: int, doc_ids: torch.Tensor, window: int | None
-) -> torch.Tensor | None:
+def _tile_mask(qs: int, qe: int, ks: int, ke: int, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor | None:
     """Allowed (query, key) pairs of a tile as a bool [n, m], or None when every pair is allowed."""
     same_doc = bool(doc_ids[ks] == doc_ids[qe - 1])  # ids are sorted: first key and last query bound all
     if same_doc and ke - 1 <= qs and (window is None or qe - 1 - ks < window):

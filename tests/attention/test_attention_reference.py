@@ -6,6 +6,8 @@ query head, an explicit causal/window mask, the sink as an extra logit column of
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ def dense_oracle(q, k, v, cu, *, scale, window, sinks):
     """fp64, one document at a time, dense [Hq, L, L] logits with the sink as an extra column."""
     g = q.shape[1] // k.shape[1]
     outs = []
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         if b == a:
             continue
         qd, kd, vd = q[a:b].double(), k[a:b].double(), v[a:b].double()
@@ -44,7 +46,7 @@ def cancellation_scales(q, k, v, cu, d_out, *, scale, window, sinks):
     """Norms of scale * |P * (dP - D)| summed without cancellation, for dQ and dK (fp64)."""
     g = q.shape[1] // k.shape[1]
     sq = sk = 0.0
-    for a, b in zip(cu[:-1], cu[1:]):
+    for a, b in itertools.pairwise(cu):
         if b == a:
             continue
         qd, kd, vd, dod = q[a:b].double(), k[a:b].double(), v[a:b].double(), d_out[a:b].double()
