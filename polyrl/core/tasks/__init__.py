@@ -17,6 +17,8 @@ Plugins add tasks through the ``polyrl_register_tasks`` hook: ``register("name",
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -74,9 +76,7 @@ def builtin_tasks() -> dict[str, Callable[..., Task]]:
     from polyrl.core.tasks.math import MathTask
     from polyrl.core.tasks.synthetic import OPERATIONS, SyntheticTask
 
-    factories: dict[str, Callable[..., Task]] = {}
-    for op in OPERATIONS:
-        factories[op] = lambda _op=op, **params: SyntheticTask(_op, **params)
+    factories: dict[str, Callable[..., Task]] = {op: functools.partial(SyntheticTask, op) for op in OPERATIONS}
     factories["math"] = MathTask
     return factories
 
@@ -103,11 +103,13 @@ def get_task(name: str, **params: Any) -> Task:
     if factory is None:
         known = ", ".join(sorted(available_tasks()))
         raise BadInputError(f"unknown task {name!r} (known: {known})")
-    try:
-        task = factory(**params)
-    except TypeError as exc:  # unexpected keyword: a recipe typo, not a bug
+    try:  # check the parameters against the factory's signature: a recipe typo, not a bug inside it
+        inspect.signature(factory).bind(**params)
+    except TypeError as exc:
         raise BadInputError(f"task {name!r}: {exc}") from None
-    return task
+    except ValueError:  # no introspectable signature (a builtin): let the call decide
+        pass
+    return factory(**params)
 
 
 __all__ = ["Example", "Task", "available_tasks", "builtin_tasks", "get_task"]
