@@ -1,0 +1,146 @@
+"""Model-step benchmark: two GPT-OSS layers at full width, forward + backward with the loss, per attention impl.
+
+``GptOssConfig()`` defaults (hidden 2880, 64 q / 8 kv heads, 128 experts as in GPT-OSS-120B, vocab 201088)
+cut to two layers (one sliding, one full), bf16, random init, one sequence of 4k and of 16k tokens. For each
+``attn_implementation`` — "polyrl" (the cuda backend's Triton kernel), "flex_attention", "eager" — the median
+step time and the peak memory (parameters and gradients included). Eager running out of memory at 16k is an
+expected result and is reported as such. REFERENCE.md §8 anchors are printed beside our numbers.
+
+    python bench/model_step.py [--seqlens 4096,16384] [--out bench/results/model_step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+
+ANCHORS = {16384: {"flex": "0.27 s / 60 GiB", "eager": "out of memory"}}
+
+
+def register_polyrl_attention() -> str:
+    """Use polyrl's transformers registration when present; otherwise a minimal local adapter (bench only)."""
+    os.environ.setdefault("POLYRL_BACKEND", "cuda")
+    try:
+        import polyrl.core.hf_attention  # noqa: F401  registers attn_implementation="polyrl" and its mask
+
+        return "polyrl"
+    except ImportError:
+        pass
+    from transformers import AttentionInterface
+
+    from polyrl.backends.cuda.attention import triton_varlen_attention
+
+    def polyrl_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
+                         s_aux=None, **kwargs):
+        # query [1, Hq, S, D] -> [S, Hq, D] views (the kernels take strided tokens/heads); one document.
+        assert query.shape[0] == 1, "this bench adapter handles one sequence"
+        s = query.shape[2]
+        cu = torch.tensor([0, s], device=query.device, dtype=torch.int32)
+        out = triton_varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                      cu, scale=scaling, window=sliding_window, sinks=s_aux)
+        return out.unsqueeze(0), None
+
+    AttentionInterface.register("polyrl_bench", polyrl_attention)
+    return "polyrl_bench"
+
+
+def build_model():
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = GptOssForCausalLM(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.train()
+    return model, config
+
+
+def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(impl)
+    else:
+        model.config._attn_implementation = impl
+    ids = torch.randint(0, model.config.vocab_size, (1, seqlen), device="cuda")
+    times = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for i in range(steps + 2):  # two warm-up steps (compilation, autotuning)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+        del loss
+    times.sort()
+    return {"step_s": round(times[len(times) // 2], 4), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqlens", default="4096,16384")
+    ap.add_argument("--impls", default="polyrl,flex_attention,eager")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default="bench/results/model_step.json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/model_step.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    polyrl_name = register_polyrl_attention()
+    model, config = build_model()
+    n_params = sum(p.numel() for p in model.parameters())
+    rows = []
+    for seqlen in (int(s) for s in args.seqlens.split(",")):
+        for impl in args.impls.split(","):
+            name = polyrl_name if impl == "polyrl" else impl
+            row = {"seqlen": seqlen, "impl": impl}
+            try:
+                row.update(step_stats(model, name, seqlen, args.steps))
+            except torch.OutOfMemoryError:
+                row["error"] = "out of memory"
+            except Exception as e:  # report and go on with the other implementations
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    import transformers
+    import triton
+
+    result = {
+        "versions": {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                     "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                     "transformers": transformers.__version__},
+        "model": {"layers": 2, "layer_types": config.layer_types, "experts": config.num_local_experts,
+                  "hidden": config.hidden_size, "params": n_params, "dtype": "bfloat16", "polyrl_impl": polyrl_name},
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"\n{'seqlen':>7} {'impl':16} {'step s':>8} {'peak GiB':>9}  anchor")
+    for r in rows:
+        anchor = ANCHORS.get(r["seqlen"], {}).get(r["impl"], "")
+        if "error" in r:
+            print(f"{r['seqlen']:7} {r['impl']:16} {r['error'][:60]:>18}  {anchor}")
+        else:
+            print(f"{r['seqlen']:7} {r['impl']:16} {r['step_s']:8.3f} {r['peak_gib']:9.2f}  {anchor}")
+    print(json.dumps(result["versions"]), f"params {n_params / 1e9:.2f} B")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

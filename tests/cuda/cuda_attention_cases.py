@@ -1,0 +1,65 @@
+"""Shared by the interpreter and gpu tests: an fp64 dense oracle, random cases, and a run of both."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+
+def dense_oracle(q, k, v, cu, *, scale, window, sinks):
+    """fp64, one document at a time, dense logits with the sink as an extra softmax column (dropped after).
+
+    Written independently of both the kernels and polyrl.core.reference_attention.
+    """
+    g = q.shape[1] // k.shape[1]
+    outs = []
+    cu = [int(x) for x in cu]
+    for a, b in itertools.pairwise(cu):
+        if b == a:
+            continue
+        qd, kd, vd = q[a:b].double(), k[a:b].double(), v[a:b].double()
+        kd, vd = kd.repeat_interleave(g, dim=1), vd.repeat_interleave(g, dim=1)
+        logits = torch.einsum("ihd,jhd->hij", qd, kd) * scale
+        i = torch.arange(b - a, device=q.device)[:, None]
+        j = torch.arange(b - a, device=q.device)[None, :]
+        allowed = j <= i
+        if window is not None:
+            allowed = allowed & (i - j < window)
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.double().view(-1, 1, 1).expand(-1, b - a, 1)], dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        outs.append(torch.einsum("hij,jhd->ihd", probs, vd))
+    return torch.cat(outs, dim=0)
+
+
+def make_case(lengths, hq, hkv, d, dv, dtype, sink, seed, device="cpu"):
+    """Random q, k, v, sinks (fp32 [Hq] or None), cu_seqlens and an upstream gradient."""
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    q = torch.randn(t, hq, d, generator=gen)
+    k = torch.randn(t, hkv, d, generator=gen)
+    v = torch.randn(t, hkv, dv, generator=gen)
+    sinks = torch.randn(hq, generator=gen) * 2 if sink else None
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    d_out = torch.randn(t, hq, dv, generator=gen)
+    cast = lambda x: None if x is None else x.to(device=device, dtype=dtype)  # noqa: E731
+    return (cast(q), cast(k), cast(v), None if sinks is None else sinks.to(device), cu.to(device), cast(d_out))
+
+
+def run_both(fn, q, k, v, sinks, cu, d_out, *, window):
+    """Output and grads of ``fn`` (leaves in the given dtype) and of the fp64 oracle, as dicts."""
+    scale = q.shape[-1] ** -0.5
+    leaves = {"q": q, "k": k, "v": v, **({"sinks": sinks} if sinks is not None else {})}
+    ours = {n: x.detach().clone().requires_grad_() for n, x in leaves.items()}
+    out = fn(ours["q"], ours["k"], ours["v"], cu, scale=scale, window=window, sinks=ours.get("sinks"))
+    out.backward(d_out)
+    ref = {n: x.detach().double().requires_grad_() for n, x in leaves.items()}
+    expected = dense_oracle(ref["q"], ref["k"], ref["v"], cu, scale=scale, window=window, sinks=ref.get("sinks"))
+    expected.backward(d_out.double())
+    got = {"out": out.detach(), **{f"d{n}": x.grad for n, x in ours.items()}}
+    want = {"out": expected.detach(), **{f"d{n}": x.grad for n, x in ref.items()}}
+    return got, want

@@ -1,0 +1,95 @@
+"""The Triton kernels of the cuda backend, run on CPU tensors under TRITON_INTERPRET=1 (see conftest.py).
+
+fp32 inputs check the math exactly (1e-5 against fp64); fp16 checks the low-precision tile path (bf16
+arithmetic is wrong in the interpreter, REFERENCE §7, so bf16 is covered by the gpu tests). Shapes are tiny
+(interpreter ~100x slower than torch) but chosen so tiles straddle documents, windows start mid-tile, and the
+unmasked interior loop, both masked edge loops and padded GQA groups (G = 3) all run with the 16x16 tiles the
+interpreter config uses.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from cuda_attention_cases import make_case, run_both
+
+from polyrl.core.tolerances import check_close
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    reason="interpreter tests run on CPU-only machines (the gpu tests cover CUDA)",
+)
+
+
+def _attn():
+    from polyrl.backends.cuda.attention import triton_varlen_attention
+
+    return triton_varlen_attention
+
+
+# (lengths, Hq, Hkv, D, Dv, window, sink, dtype)
+GRID = [
+    ([70], 4, 1, 16, 16, None, True, torch.float32),  # one document: interior tiles, G = 4
+    ([23, 1, 40, 9], 4, 2, 16, 16, None, True, torch.float32),  # ragged, a 1-token document
+    ([50, 31], 6, 2, 16, 16, 7, True, torch.float32),  # window inside a tile, G = 3 (padded to 4)
+    ([90], 2, 2, 32, 32, 33, False, torch.float32),  # window across tiles, MHA, no sink
+    ([17, 60], 8, 2, 16, 16, 1, True, torch.float32),  # window 1: only the diagonal
+    ([40, 25], 4, 4, 16, 16, 200, True, torch.float32),  # window longer than every document
+    ([37, 29], 4, 2, 24, 8, 5, True, torch.float32),  # D != Dv and D not a power of two (MLA route)
+    ([64, 19], 4, 1, 16, 16, None, True, torch.float16),
+    ([45, 33], 8, 4, 32, 32, 12, True, torch.float16),
+    ([52], 3, 1, 16, 16, None, False, torch.float16),
+]
+
+
+@pytest.mark.parametrize(("lengths", "hq", "hkv", "d", "dv", "window", "sink", "dtype"), GRID)
+def test_interpreted_kernels_match_fp64_oracle(lengths, hq, hkv, d, dv, window, sink, dtype):
+    q, k, v, sinks, cu, d_out = make_case(lengths, hq, hkv, d, dv, dtype, sink, seed=len(lengths) + hq + d)
+    got, want = run_both(_attn(), q, k, v, sinks, cu, d_out, window=window)
+    assert got["out"].dtype == dtype and got["out"].shape == (sum(lengths), hq, dv)
+    for name in got:
+        kind = "attention.forward" if name == "out" else "attention.grad"
+        err, bar, ok = check_close(kind, got[name], want[name], dtype)
+        assert ok, f"{name}: relative error {err:.2e} > {bar:.0e}"
+
+
+def test_interpreted_kernels_match_core_reference():
+    from polyrl.core.reference_attention import reference_varlen_attention
+
+    q, k, v, sinks, cu, d_out = make_case([33, 48], 4, 2, 16, 16, torch.float32, True, seed=3)
+    got, _ = run_both(_attn(), q, k, v, sinks, cu, d_out, window=20)
+    ref, _ = run_both(reference_varlen_attention, q, k, v, sinks, cu, d_out, window=20)
+    for name in got:
+        kind = "attention.forward" if name == "out" else "attention.grad"
+        err, bar, ok = check_close(kind, got[name], ref[name], torch.float32)
+        assert ok, f"{name}: {err:.2e} > {bar:.0e}"
+
+
+def test_backward_is_deterministic_and_dsink_is_exact():
+    q, k, v, sinks, cu, d_out = make_case([41, 30], 4, 2, 16, 16, torch.float32, True, seed=5)
+    first, want = run_both(_attn(), q, k, v, sinks, cu, d_out, window=None)
+    second, _ = run_both(_attn(), q, k, v, sinks, cu, d_out, window=None)
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} differs between two identical runs"
+    # The sink gradient is a sum of T small terms per head: exact to fp32 accumulation, not approximate.
+    assert torch.allclose(first["dsinks"].double(), want["dsinks"], rtol=1e-5, atol=1e-6)
+    assert first["dsinks"].abs().min() > 0  # every head's sink takes probability mass
+
+
+def test_sink_changes_output_like_an_extra_key():
+    """A very negative sink is no sink; a huge one drives the output to zero (all mass on the sink)."""
+    attn = _attn()
+    q, k, v, _, cu, _ = make_case([30], 2, 1, 16, 16, torch.float32, False, seed=7)
+    plain = attn(q, k, v, cu, scale=0.25, window=None, sinks=None)
+    low = attn(q, k, v, cu, scale=0.25, window=None, sinks=torch.full((2,), -1e4))
+    high = attn(q, k, v, cu, scale=0.25, window=None, sinks=torch.full((2,), 1e4))
+    torch.testing.assert_close(low, plain, rtol=0, atol=1e-6)
+    assert high.abs().max() < 1e-6
+
+
+def test_rejects_bad_head_ratio():
+    q, k, v, _, cu, _ = make_case([8], 3, 2, 16, 16, torch.float32, False, seed=0)
+    with pytest.raises(ValueError, match="multiple"):
+        _attn()(q, k, v, cu, scale=0.25, window=None, sinks=None)
