@@ -49,9 +49,11 @@ log = logging.getLogger(__name__)
 COMPLETE_MARKER = "COMPLETE"
 LATEST_FILE = "latest"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-# Test-only hook: seconds to sleep after every file is written and before the checkpoint is published,
-# so a test can SIGKILL the run while a checkpoint is being written. Never set it in real runs.
+# Test-only hooks: seconds to sleep after every file is written and before the checkpoint is published
+# (optionally only for one step), so a test can SIGKILL the run while a checkpoint is being written.
+# Never set them in real runs.
 TEST_DELAY_ENV = "POLYRL_TEST_CHECKPOINT_DELAY_S"
+TEST_DELAY_STEP_ENV = "POLYRL_TEST_CHECKPOINT_DELAY_STEP"  # test-only: delay only the save of this step
 
 # Which state entries pair into one DCP (module, optimizer) group; the key names are the trainer's.
 _MODULE_GROUPS = (("model", "optimizer"), ("critic", "critic_optimizer"))
@@ -307,7 +309,8 @@ def save_checkpoint(
         f.flush()
         os.fsync(f.fileno())
     delay = float(os.environ.get(TEST_DELAY_ENV, "0") or 0)
-    if delay > 0:
+    delay_step = os.environ.get(TEST_DELAY_STEP_ENV)
+    if delay > 0 and (not delay_step or int(delay_step) == step):
         time.sleep(delay)
     D.barrier()  # every rank's files are on disk before anyone publishes
     if rank == 0:
@@ -351,8 +354,8 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, d
     """Load a complete checkpoint directory into ``state`` in place; collective. Returns its step.
 
     The world size may differ from the one that wrote it (DCP reshards model and optimizer). Per-rank
-    state comes from this rank's file when it exists, else rank 0's; RNG is restored only when the
-    world size is unchanged (otherwise ranks would share one RNG stream).
+    state comes from this rank's file when it exists, else rank 0's; RNG is restored only on ranks that
+    had a file (new ranks keep their own streams instead of cloning rank 0's).
     """
     import torch
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -378,14 +381,12 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, d
     for key in _EXTRA_KEYS:
         if state.get(key) is not None and key in extra:
             state[key].load_state_dict(extra[key])
-    if marker.get("world_size") == D.get_world_size():
+    if own.is_file():
         set_rng_state(extra["rng"], device_type)
     else:
-        log.warning(
-            "checkpoint written by %s processes, loaded by %s: RNG state not restored",
-            marker.get("world_size"),
-            D.get_world_size(),
-        )
+        # A rank that did not exist when the checkpoint was written keeps its own (seed-derived) RNG
+        # rather than cloning rank 0's stream.
+        log.warning("checkpoint written by %s processes has no RNG state for rank %d", marker.get("world_size"), rank)
     return int(marker["step"])
 
 

@@ -1,22 +1,28 @@
-"""A toy SPMD training loop for the distributed tests: FSDP2 + clip + DCP checkpoint, no trainer.
+"""A toy SPMD training loop for the distributed tests: FSDP2 + clipping + DCP checkpoints, no trainer.
 
-Run as ``torchrun ... toy_worker.py OUT_JSON CKPT_DIR STEPS [SAVE_AT]`` (or plainly, one process). Each
-step trains on the same global batch of 8 rows, split over ranks; the loss is the global token mean
-(per-rank sum all-reduced and divided by the global count), so any world size gives the same numbers.
+``python toy_worker.py RUN_DIR STEPS SAVE_EVERY`` (plainly, or under torchrun). It exercises exactly
+the pieces the trainer wires together: each step draws the global batch of 8 rows from the global torch
+RNG (so resuming must restore RNG state), trains on this rank's slice with a global token-mean loss,
+clips, steps AdamW + an LR schedule, appends one line to RUN_DIR/metrics.jsonl (rank 0) and checkpoints
+every SAVE_EVERY steps. Rerunning the same command resumes from the newest complete checkpoint and
+first drops metric lines past it. ``TOY_STEP_SLEEP_S`` slows each step so a test can kill it mid-step.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from polyrl.backends.cpu import CpuBackend
 from polyrl.core import checkpoint as C
 from polyrl.core import distributed as D
 from polyrl.core.sharding import apply_sharding, clip_grad_norm
-from polyrl.backends.cpu import CpuBackend
 
 
 class Toy(nn.Module):
@@ -33,53 +39,64 @@ class Toy(nn.Module):
         return self.head(h)
 
 
-class Counter:
+class Progress:
+    """The trainer-state stand-in: step counter and a KL-controller-like float."""
+
     def __init__(self) -> None:
-        self.step = 0
+        self.step, self.beta = 0, 0.1
 
     def state_dict(self) -> dict:
-        return {"step": self.step}
+        return {"step": self.step, "beta": self.beta}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.step = sd["step"]
+        self.step, self.beta = sd["step"], sd["beta"]
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def main() -> None:
-    out, ckpt, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    save_at = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    run_dir, steps, save_every = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    sleep_s = float(os.environ.get("TOY_STEP_SLEEP_S", "0"))
     backend = CpuBackend()
     ctx = D.init_distributed(backend)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # same init and same global batches on every rank
     model = apply_sharding(Toy(), backend)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
-    counter = Counter()
-    state = {"model": model, "optimizer": opt, "scheduler": sched, "trainer": counter}
-    start = C.load_latest_checkpoint(ckpt, state) or 0
-    data = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, 16, (8, 6), generator=data) for _ in range(steps)]
-    records = []
+    progress = Progress()
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "trainer": progress}
+    start = C.load_latest_checkpoint(run_dir / "checkpoints", state) or 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    metrics_path = run_dir / "metrics.jsonl"
+    if ctx.is_main:
+        _truncate_metrics(metrics_path, start)
     for step in range(start, steps):
-        x = batches[step][D.rank_slice(8)]
+        batch = torch.randint(0, 16, (8, 6))  # global batch from the (restored) global RNG
+        x = batch[D.rank_slice(8)]
         logits = model(x[:, :-1])
         tok = nn.functional.cross_entropy(logits.reshape(-1, 16), x[:, 1:].reshape(-1), reduction="sum")
         n = torch.tensor(float(x[:, 1:].numel()))
         D.all_reduce_(n)
-        # FSDP averages gradients over ranks; scale so the global gradient is that of the global token mean.
-        loss = tok / n * ctx.world_size
-        loss.backward()
+        # FSDP averages gradients over ranks; scaling by W makes the global gradient that of the global token mean.
+        (tok / n * ctx.world_size).backward()
+        if sleep_s:
+            time.sleep(sleep_s)
         gnorm = clip_grad_norm(model.parameters(), 0.5)
         opt.step()
         sched.step()
         opt.zero_grad()
-        counter.step = step + 1
+        progress.step, progress.beta = step + 1, progress.beta * 1.1
         m = D.all_reduce_metrics({"loss": (tok / n).item()}, op="sum")
-        records.append({"step": step + 1, "loss": m["loss"], "grad_norm": float(gnorm)})
-        if save_at and counter.step % save_at == 0:
-            C.save_checkpoint(ckpt, counter.step, state, keep=2)
-    if ctx.is_main:
-        with open(out, "w") as f:
-            json.dump(records, f)
+        if ctx.is_main:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step + 1, "loss": m["loss"], "grad_norm": float(gnorm), "beta": progress.beta}) + "\n")
+        if progress.step % save_every == 0:
+            C.save_checkpoint(run_dir / "checkpoints", progress.step, state, keep=2)
     D.shutdown_distributed()
 
 

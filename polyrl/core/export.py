@@ -1,0 +1,116 @@
+"""Export a training checkpoint to a Hugging Face directory: safetensors weights, config, tokenizer.
+
+The trainer calls ``save_model_metadata(ckpt_root, model, tokenizer)`` once per run: it writes the HF
+config and the tokenizer files into ``<ckpt_root>/hf/`` (JSON and tokenizer files only, no weights).
+``export_checkpoint`` rebuilds the model from that config with transformers (no network, no remote
+code), loads the actor weights from the DCP checkpoint (any world size: DCP gathers the shards into the
+full tensors), and writes ``save_pretrained`` output that ``AutoModelForCausalLM.from_pretrained``
+loads. Nothing on the way unpickles: the config and tokenizer are JSON, the weights come through
+polyrl.core.checkpoint's safe reader, and the output is safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from polyrl.core.checkpoint import load_model_weights, resolve_checkpoint
+from polyrl.core.errors import BadInputError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+METADATA_DIR = "hf"
+
+
+def save_model_metadata(ckpt_root: str | os.PathLike[str], model: nn.Module, tokenizer: Any | None) -> Path:
+    """Write the HF config and tokenizer of ``model`` under ``<ckpt_root>/hf`` (rank 0 only, idempotent).
+
+    ``model`` is the trainer's actor before sharding (a transformers PreTrainedModel: its
+    ``config.save_pretrained`` is used). ``tokenizer`` may be a transformers tokenizer or a bare
+    ``tokenizers.Tokenizer`` (wrapped into a fast tokenizer); None writes the config only.
+    """
+    from polyrl.core.distributed import get_rank
+
+    out = Path(ckpt_root) / METADATA_DIR
+    if get_rank() != 0:
+        return out
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise TypeError(f"{type(model).__name__} has no Hugging Face config; cannot describe it for export")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(tmp)
+    if tokenizer is not None:
+        _as_hf_tokenizer(tokenizer).save_pretrained(tmp)
+    (tmp / "polyrl_export.json").write_text(json.dumps({"model_class": type(model).__name__}))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _as_hf_tokenizer(tokenizer: Any) -> Any:
+    if hasattr(tokenizer, "save_pretrained"):
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    if isinstance(tokenizer, Tokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    raise TypeError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
+
+
+def find_metadata(step_dir: Path) -> Path:
+    """``hf/`` next to the step directories, or in the run directory above them."""
+    for base in (step_dir.parent, step_dir.parent.parent):
+        candidate = base / METADATA_DIR
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise BadInputError(
+        f"no model metadata ({METADATA_DIR}/config.json) next to checkpoint {str(step_dir)!r}; "
+        "it is written by the trainer at the start of a run"
+    )
+
+
+def build_model_from_metadata(meta_dir: Path, dtype: str = "float32") -> nn.Module:
+    """The HF model described by ``meta_dir/config.json``, on CPU, with freshly initialised weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(meta_dir, trust_remote_code=False)
+    except (ValueError, OSError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"cannot read the model config in {str(meta_dir)!r}: {exc}") from exc
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise BadInputError(f"unknown dtype {dtype!r} (expected float32, bfloat16 or float16)")
+    model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
+    return model.eval()
+
+
+def export_checkpoint(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32") -> Path:
+    """Write the actor of ``checkpoint`` (a step dir, a checkpoints dir or a run dir) to ``out_dir``.
+
+    Refuses a non-empty ``out_dir`` (BadInputError) rather than mixing two models' files.
+    """
+    import torch
+
+    step_dir = resolve_checkpoint(checkpoint)
+    meta_dir = find_metadata(step_dir)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise BadInputError(f"output directory {str(out)!r} is not empty")
+    model = build_model_from_metadata(meta_dir, dtype)
+    load_model_weights(step_dir, model)
+    model = model.to(getattr(torch, dtype))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    for item in meta_dir.iterdir():  # tokenizer files (config.json came from save_pretrained just now)
+        if item.is_file() and item.name not in ("config.json", "polyrl_export.json"):
+            shutil.copy2(item, out / item.name)
+    return out
