@@ -71,3 +71,8 @@ def check_close(
     err = relative_error(actual, expected, floor)
     bar = tolerance(name, dtype)
     return err, bar, bool(err <= bar)  # err <= bar is False for NaN
+
+# --- sharding / checkpoints (issue 6, distributed helper) -----------------------------------------------
+# N-process FSDP2 (gloo, fp32) vs the 1-process run on the same global batch: only the order of the
+# gradient reduction and of the global-norm sum differs (measured ~5e-8 relative on the toy loop).
+TOLERANCES[("distributed.loss", "float32")] = 1e-5
