@@ -27,11 +27,13 @@ def register_polyrl_attention() -> str:
     """Use polyrl's transformers registration when present; otherwise a minimal local adapter (bench only)."""
     os.environ.setdefault("POLYRL_BACKEND", "cuda")
     try:
-        import polyrl.core.hf_attention  # noqa: F401  registers attn_implementation="polyrl" and its mask
+        from polyrl.core import hf_attention  # registers attn_implementation="polyrl" and its mask function
 
-        return "polyrl"
-    except ImportError:
-        pass
+        hf_attention.register()
+        if hf_attention.is_registered():
+            return "polyrl"
+    except Exception as e:  # not there yet, or broken: fall back to the local adapter, and say so
+        print(f"polyrl.core.hf_attention unavailable ({type(e).__name__}: {e}); using the bench adapter")
     from transformers import AttentionInterface
 
     from polyrl.backends.cuda.attention import triton_varlen_attention
