@@ -141,6 +141,16 @@ def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
     """``dcp.load`` in place, with the safe reader and planner. Works with or without a process group."""
     import torch.distributed.checkpoint as dcp
 
+    # Read the metadata once up front so a refused or corrupt file surfaces as a plain BadInputError
+    # (inside dcp.load it would come back wrapped in a per-rank CheckpointException).
+    meta = Path(path) / ".metadata"
+    try:
+        with open(meta, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except BadInputError:
+        raise
+    except Exception as exc:
+        raise BadInputError(f"cannot read checkpoint metadata {str(meta)!r}: {exc}") from exc
     with _quiet_single_process():
         dcp.load(state_dict, storage_reader=_safe_reader(Path(path)), planner=_safe_planner())
 

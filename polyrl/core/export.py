@@ -93,7 +93,9 @@ def build_model_from_metadata(meta_dir: Path, dtype: str = "float32") -> nn.Modu
     return model.eval()
 
 
-def export_checkpoint(checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32") -> Path:
+def export_checkpoint(
+    checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32"
+) -> Path:
     """Write the actor of ``checkpoint`` (a step dir, a checkpoints dir or a run dir) to ``out_dir``.
 
     Refuses a non-empty ``out_dir`` (BadInputError) rather than mixing two models' files.

@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from dist_procs import child_env, read_metrics, run_and_kill, run_to_end, toy_command
 
 from polyrl.core import checkpoint as C
 from polyrl.core.tolerances import tolerance
-
-from dist_procs import child_env, read_metrics, run_and_kill, run_to_end, toy_command
 
 pytestmark = pytest.mark.distributed
 

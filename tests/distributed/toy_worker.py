@@ -94,7 +94,10 @@ def main() -> None:
         m = D.all_reduce_metrics({"loss": (tok / n).item()}, op="sum")
         if ctx.is_main:
             with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step + 1, "loss": m["loss"], "grad_norm": float(gnorm), "beta": progress.beta}) + "\n")
+                f.write(
+                    json.dumps({"step": step + 1, "loss": m["loss"], "grad_norm": float(gnorm), "beta": progress.beta})
+                    + "\n"
+                )
         if progress.step % save_every == 0:
             C.save_checkpoint(run_dir / "checkpoints", progress.step, state, keep=2)
     D.shutdown_distributed()

@@ -1,0 +1,104 @@
+"""Sharding helpers in one process: layer discovery, backend quirks, grad-norm clipping, launcher argv."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from polyrl.backends.ascend import AscendBackend
+from polyrl.backends.cpu import CpuBackend
+from polyrl.backends.cuda import CudaBackend
+from polyrl.core import distributed as D
+from polyrl.core.errors import BadInputError
+from polyrl.core.launch import strip_nproc, torchrun_command
+from polyrl.core.sharding import ShardingOptions, apply_sharding, check_sharding, clip_grad_norm, decoder_layers
+
+
+class Wrapped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+        self.lm_head = nn.Linear(4, 2)
+
+
+def test_decoder_layers_found_at_hf_path() -> None:
+    m = Wrapped()
+    assert decoder_layers(m) == list(m.model.layers)
+
+
+def test_decoder_layers_found_by_no_split_class_name() -> None:
+    class Block(nn.Linear):
+        pass
+
+    m = nn.Sequential(Block(2, 2), nn.ReLU(), Block(2, 2))
+    m._no_split_modules = ["Block"]
+    assert decoder_layers(m) == [m[0], m[2]]
+
+
+def test_no_process_group_means_no_sharding() -> None:
+    m = Wrapped()
+    assert apply_sharding(m, CpuBackend()) is m
+    assert not any(type(x).__name__.startswith("FSDP") for x in m.modules())
+
+
+def test_backend_quirks_refused_with_a_message() -> None:
+    with pytest.raises(BadInputError, match="cpu_offload"):
+        check_sharding(CpuBackend(), 2, ShardingOptions(cpu_offload=True))
+    with pytest.raises(BadInputError, match="world size 3"):
+        check_sharding(AscendBackend(), 3, ShardingOptions())
+    check_sharding(AscendBackend(), 4, ShardingOptions(cpu_offload=True))
+    check_sharding(CudaBackend(), 3, ShardingOptions(cpu_offload=True))
+
+
+def test_env_defaults_do_not_override_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "300")
+    monkeypatch.delenv("PYTORCH_NPU_ALLOC_CONF", raising=False)
+    applied = D.apply_env_defaults(AscendBackend())
+    assert applied == {"PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True"}
+    import os
+
+    assert os.environ["HCCL_CONNECT_TIMEOUT"] == "300"
+
+
+@pytest.mark.parametrize("max_norm", [None, 0.1, 100.0])
+def test_clip_grad_norm_matches_torch(max_norm: float | None) -> None:
+    torch.manual_seed(0)
+    a, b = Wrapped(), Wrapped()
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(5, 4)
+    for m in (a, b):
+        m.lm_head(torch.stack([layer(x) for layer in m.model.layers]).sum(0)).pow(2).sum().backward()
+    ours = clip_grad_norm(a.parameters(), max_norm)
+    theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), max_norm if max_norm else float("inf"))
+    torch.testing.assert_close(ours, theirs)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_single_process_helpers_are_identity() -> None:
+    assert (D.get_rank(), D.get_world_size(), D.is_main_process()) == (0, 1, True)
+    assert D.all_reduce_metrics({"a": 1.5, "b": 2}) == {"a": 1.5, "b": 2.0}
+    assert D.broadcast_object("x") == "x"
+    assert D.rank_slice(8, 1, 2) == slice(4, 8)
+    with pytest.raises(BadInputError, match="evenly"):
+        D.rank_slice(7, 0, 2)
+
+
+def test_under_torchrun_reads_the_environment() -> None:
+    assert D.under_torchrun({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert not D.under_torchrun({})
+
+
+def test_launcher_command_strips_nproc() -> None:
+    argv = ["run", "r.yaml", "--nproc", "2", "--seed=3", "--nproc=4", "a.b=1"]
+    assert strip_nproc(argv) == ["run", "r.yaml", "--seed=3", "a.b=1"]
+    cmd = torchrun_command(argv, 2)
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--standalone" in cmd and cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[-6:] == ["-m", "polyrl", "run", "r.yaml", "--seed=3", "a.b=1"]
+    with pytest.raises(BadInputError):
+        torchrun_command(argv, 0)
