@@ -2,8 +2,8 @@
 
 ``torch_npu`` is never imported here at module level: importing it without Ascend's CANN breaks even
 ``import torch``. ``detect`` looks for the module spec, the CANN toolkit and the device nodes only.
-Until the npu_fusion_attention kernel lands, attention falls back to the reference (visible in
-``polyrl backends``).
+``varlen_attention`` runs ``torch_npu.npu_fusion_attention`` (polyrl.backends.ascend.attention), imported on
+first call; it has been run only against the CPU emulator of the documented API, never on an NPU here.
 """
 
 from __future__ import annotations
@@ -12,9 +12,13 @@ import glob
 import importlib.util
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from polyrl.core.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
 
 
 def cann_home() -> str | None:
@@ -32,7 +36,7 @@ class AscendBackend(Backend):
     device_type = "npu"
     collective_backend = "hccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm-ascend"})
-    native_kernels = frozenset()
+    native_kernels = frozenset({"varlen_attention"})
     rollout_engines = ("hf", "vllm-ascend")
 
     def detect(self) -> Availability:
@@ -43,6 +47,21 @@ class AscendBackend(Backend):
         if not glob.glob("/dev/davinci[0-9]*"):
             return Availability(False, "no Ascend NPU device node (/dev/davinciN) is visible")
         return Availability(True, "")
+
+    def varlen_attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        from polyrl.backends.ascend.attention import npu_varlen_attention
+
+        return npu_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
 
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy(
