@@ -29,6 +29,8 @@ TOLERANCES: dict[tuple[str, str], float] = {
     ("attention.grad", "float16"): 1e-3,
     # --- transformers integration: attn_implementation="polyrl" vs "eager" on tiny models -------------
     ("model.logits", "float32"): 1e-5,
+    # parameter gradients of a loss on those logits (same comparison, backward).
+    ("model.grads", "float32"): 1e-5,
     # per-token logprobs of a packed batch vs each document alone (same implementation).
     ("model.logprobs_packed", "float32"): 1e-5,
     # --- algorithms helper: chunked fp32 logprobs/entropy (A.logprobs_and_entropy) vs fp64 log_softmax ---
@@ -78,6 +80,7 @@ def check_close(
     err = relative_error(actual, expected, floor)
     bar = tolerance(name, dtype)
     return err, bar, bool(err <= bar)  # err <= bar is False for NaN
+
 
 # --- sharding / checkpoints (issue 6, distributed helper) -----------------------------------------------
 # N-process FSDP2 (gloo, fp32) vs the 1-process run on the same global batch: only the order of the

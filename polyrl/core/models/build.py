@@ -1,0 +1,68 @@
+"""``build_model``: a causal LM from a local checkpoint directory or from a named preset (random init).
+
+No network: a name is either an existing directory (``from_pretrained``) or a preset of
+:mod:`polyrl.core.models.presets`; anything else is refused with the list of presets.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from polyrl.core.models.presets import PRESETS, check_overrides, model_config, preset_names
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+def build_model(
+    name_or_path: str | os.PathLike,
+    *,
+    vocab_size: int | None = None,
+    attn_implementation: str = "polyrl",
+    dtype: torch.dtype = torch.float32,
+    overrides: dict[str, Any] | None = None,
+    seed: int | None = None,
+) -> PreTrainedModel:
+    """Build a causal LM.
+
+    Args:
+        name_or_path: a local checkpoint directory, or a preset name ("gpt_oss_tiny", "deepseek_v3_tiny",
+            "gpt_oss_20b", "gpt_oss_120b", "deepseek_v3").
+        vocab_size: embedding rows (presets: set in the config; checkpoints: embeddings resized if different).
+        attn_implementation: "polyrl" (default), "eager", ...
+        dtype: parameter dtype.
+        overrides: config fields to change (any field of the model's config; unknown ones are refused).
+        seed: seeds the random init of a preset without touching the global RNG state.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import polyrl.core.hf_attention as hf_attention
+
+    hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
+    overrides = dict(overrides or {})
+    path = os.fspath(name_or_path)
+    if os.path.isdir(path):
+        config = AutoConfig.from_pretrained(path)
+        check_overrides(type(config), overrides, f"checkpoint {path!r}")
+        config = AutoConfig.from_pretrained(path, **overrides) if overrides else config
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, attn_implementation=attn_implementation, dtype=dtype
+        )
+        if vocab_size is not None and vocab_size != model.get_input_embeddings().weight.shape[0]:
+            model.resize_token_embeddings(vocab_size)
+        return model
+    if path not in PRESETS:
+        raise ValueError(
+            f"{path!r} is neither a local checkpoint directory nor a model preset; presets: {', '.join(preset_names())}"
+        )
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    config = model_config(path, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        if seed is not None:
+            torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    return model
