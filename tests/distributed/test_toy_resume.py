@@ -85,3 +85,26 @@ def test_sigkill_while_checkpoint_is_written_never_loads_partial(reference: list
     run_to_end(cmd)
     assert read_metrics(tmp_path) == reference
     assert not partial.exists()  # cleaned up by the next save of that step
+
+
+def test_sharded_gpt_oss_matches_one_process_and_exports_its_logits(tmp_path: Path) -> None:
+    """Tiny GPT-OSS (MoE, sinks) under FSDP2 on 2 ranks: same losses as 1 process; the export of the
+    2-rank checkpoint, loaded with from_pretrained, gives the trainer's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.cli import main as cli_main
+
+    env = child_env(TOY_MODEL="gpt_oss_tiny")
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_to_end(toy_command(one, 2, 2), env)
+    run_to_end(toy_command(two, 2, 2, nproc=2), env)
+    _assert_close(read_metrics(two), read_metrics(one))
+    assert cli_main(["export", str(two), str(tmp_path / "hf")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trainer_logits = torch.load(two / "probe_logits.pt", weights_only=True)
+    with torch.no_grad():
+        exported = model(torch.arange(12).remainder(model.config.vocab_size).reshape(2, 6)).logits
+    # The trainer runs attn_implementation="polyrl", from_pretrained the default eager one.
+    err = (exported - trainer_logits).norm() / trainer_logits.norm()
+    assert err <= tolerance("model.logits", "float32"), err

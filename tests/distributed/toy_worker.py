@@ -5,7 +5,9 @@ the pieces the trainer wires together: each step draws the global batch of 8 row
 RNG (so resuming must restore RNG state), trains on this rank's slice with a global token-mean loss,
 clips, steps AdamW + an LR schedule, appends one line to RUN_DIR/metrics.jsonl (rank 0) and checkpoints
 every SAVE_EVERY steps. Rerunning the same command resumes from the newest complete checkpoint and
-first drops metric lines past it. ``TOY_STEP_SLEEP_S`` slows each step so a test can kill it mid-step.
+first drops metric lines past it. ``TOY_STEP_SLEEP_S`` slows each step so a test can kill it mid-step. ``TOY_MODEL=gpt_oss_tiny`` trains
+the tiny GPT-OSS preset instead (MoE experts, sinks, FSDP2 per decoder layer), writes the HF metadata
+for export, and saves the final logits of a probe batch to RUN_DIR/probe_logits.pt.
 """
 
 from __future__ import annotations
@@ -65,7 +67,19 @@ def main() -> None:
     backend = CpuBackend()
     ctx = D.init_distributed(backend)
     torch.manual_seed(0)  # same init and same global batches on every rank
-    model = apply_sharding(Toy(), backend)
+    vocab = 16
+    if os.environ.get("TOY_MODEL") == "gpt_oss_tiny":
+        from polyrl.core.export import save_model_metadata
+        from polyrl.core.models import build_model
+        from polyrl.core.tokenizer import build_tiny_tokenizer
+
+        tokenizer = build_tiny_tokenizer()
+        vocab = len(tokenizer)
+        net = build_model("gpt_oss_tiny", vocab_size=vocab, seed=0)
+        save_model_metadata(run_dir / "checkpoints", net, tokenizer)
+    else:
+        net = Toy()
+    model = apply_sharding(net, backend)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
     progress = Progress()
@@ -76,10 +90,10 @@ def main() -> None:
     if ctx.is_main:
         _truncate_metrics(metrics_path, start)
     for step in range(start, steps):
-        batch = torch.randint(0, 16, (8, 6))  # global batch from the (restored) global RNG
+        batch = torch.randint(0, vocab, (8, 6))  # global batch from the (restored) global RNG
         x = batch[D.rank_slice(8)]
-        logits = model(x[:, :-1])
-        tok = nn.functional.cross_entropy(logits.reshape(-1, 16), x[:, 1:].reshape(-1), reduction="sum")
+        logits = _logits(model, x[:, :-1])
+        tok = nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1), reduction="sum")
         n = torch.tensor(float(x[:, 1:].numel()))
         D.all_reduce_(n)
         # FSDP averages gradients over ranks; scaling by W makes the global gradient that of the global token mean.
@@ -100,7 +114,17 @@ def main() -> None:
                 )
         if progress.step % save_every == 0:
             C.save_checkpoint(run_dir / "checkpoints", progress.step, state, keep=2)
+    if os.environ.get("TOY_MODEL"):
+        with torch.no_grad():  # every rank joins the forward: FSDP gathers layers collectively
+            probe = _logits(model, torch.arange(12).remainder(vocab).reshape(2, 6))
+        if ctx.is_main:
+            torch.save(probe, run_dir / "probe_logits.pt")
     D.shutdown_distributed()
+
+
+def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits
 
 
 if __name__ == "__main__":
