@@ -70,9 +70,17 @@ def _check_mask(atten_mask: torch.Tensor | None, sparse_mode: int, max_sq: int, 
             f"npu_fusion_attention: sparse_mode {sparse_mode} needs the compressed mask of shape [{size}, {size}] "
             f"(torch.triu(torch.ones({size}, {size}, dtype=torch.bool), 1)), got {tuple(atten_mask.shape)}"
         )
-    expected = torch.ones(size, size, dtype=torch.bool, device=atten_mask.device).triu(1)
-    if not torch.equal(atten_mask.bool(), expected):
+    if not torch.equal(atten_mask.bool(), _compressed_mask(atten_mask.device)):
         raise RuntimeError("npu emulator: the compressed mask must be triu(ones(2048, 2048), 1) (True above the diagonal)")
+
+
+_MASKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _compressed_mask(device: torch.device) -> torch.Tensor:
+    if device not in _MASKS:
+        _MASKS[device] = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool, device=device).triu(1)
+    return _MASKS[device]
 
 
 def _keep(sq: int, skv: int, atten_mask, sparse_mode: int, pre: int, nxt: int, device) -> torch.Tensor:
