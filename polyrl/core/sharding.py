@@ -73,8 +73,20 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
-def check_sharding(backend: Backend, world_size: int, options: ShardingOptions) -> None:
+def _options(policy: object | None) -> ShardingOptions:
+    """ShardingOptions from itself, None (defaults) or any object with the same attribute names (the
+    recipe's config section), so the config schema does not have to import this module."""
+    if policy is None or isinstance(policy, ShardingOptions):
+        return policy or ShardingOptions()
+    defaults = ShardingOptions()
+    return ShardingOptions(
+        **{f.name: getattr(policy, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
+    )
+
+
+def check_sharding(backend: Backend, world_size: int, options: object | None) -> None:
     """Refuse what the backend cannot do, with a message that says what to change."""
+    options = _options(options)
     backend.check_world_size(world_size)
     policy = backend.sharding_policy()
     if options.cpu_offload and not policy.cpu_offload_supported:
@@ -86,7 +98,7 @@ def check_sharding(backend: Backend, world_size: int, options: ShardingOptions) 
         _dtype(name)
 
 
-def apply_sharding(model: nn.Module, backend: Backend, policy: ShardingOptions | None = None) -> nn.Module:
+def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = None) -> nn.Module:
     """Shard ``model`` in place with FSDP2 (per decoder layer, then the root); returns the same module.
 
     No-op without an initialised process group. Call it on the actor, the reference model and the
@@ -94,7 +106,7 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: ShardingOptions |
     """
     import torch.distributed as dist
 
-    options = policy or ShardingOptions()
+    options = _options(policy)
     if not options.enabled or not (dist.is_available() and dist.is_initialized()):
         return model
     from torch.distributed.device_mesh import init_device_mesh
