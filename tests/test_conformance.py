@@ -28,6 +28,18 @@ class OffByOneWindowBackend(CpuBackend):
                                         window=None if window is None else window + 1, sinks=sinks)
 
 
+class GradDoublingBackend(CpuBackend):
+    """A backward bug that leaves the forward exact: dq (and everything) doubled through a custom hook."""
+
+    name = "grad_doubling"
+    is_reference = False
+
+    def varlen_attention(self, q, k, v, cu_seqlens, *, scale, window, sinks):
+        q2 = q * 1.0
+        q2.register_hook(lambda g: 2 * g)
+        return super().varlen_attention(q2, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+
+
 class AbsentBackend(CpuBackend):
     name = "absent"
     is_reference = False
@@ -53,6 +65,12 @@ def test_window_off_by_one_fails():
     report = run_conformance(OffByOneWindowBackend())
     failed = [c for c in report.checks if c.status == FAIL]
     assert failed and all("window=None" not in c.name for c in failed)
+
+
+def test_gradient_bug_with_exact_forward_fails():
+    report = run_conformance(GradDoublingBackend())
+    kernel_checks = [c for c in report.checks if "varlen_attention" in c.name]
+    assert kernel_checks and all(c.status == FAIL for c in kernel_checks)
 
 
 def test_unavailable_backend_is_not_run_never_passed():

@@ -96,8 +96,10 @@ def _attention_checks(backend: Backend, dtype_name: str) -> list[Check]:
         dout = torch.randn(t, hq, d, generator=gen)
         results = {}
         for name, dev, dt in (("ref", torch.device("cpu"), torch.float32), ("dut", device, dtype)):
-            leaves = [x.to(dev, dt).requires_grad_() for x in (q, k, v)]
-            s = sinks.to(dev).requires_grad_() if sinks is not None else None
+            # detach().clone(): .to() returns the same tensor when nothing changes, and the two runs must
+            # not share leaves (they would then compare one .grad with itself).
+            leaves = [x.detach().to(dev, dt).clone().requires_grad_() for x in (q, k, v)]
+            s = sinks.detach().to(dev).clone().requires_grad_() if sinks is not None else None
             out = varlen_attention(*leaves, cu.to(dev), window=window, sinks=s,
                                    backend="cpu" if name == "ref" else backend)
             out.backward(dout.to(dev, dt))
