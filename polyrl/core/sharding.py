@@ -103,6 +103,9 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
 
     No-op without an initialised process group. Call it on the actor, the reference model and the
     critic alike, before building their optimizers (the optimizer must see the sharded DTensor params).
+
+    Gradients are SUMMED across ranks (not averaged): a rank's loss must be its share of the global loss,
+    e.g. token-mean = this rank's masked sum / the token count of the whole batch over all ranks.
     """
     import torch.distributed as dist
 
@@ -126,8 +129,13 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
         raise BadInputError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     for layer in layers:
         fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
-    # The root is only resharded after backward: its forward output feeds the loss right away.
     fully_shard(model, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    # Sum gradients over ranks instead of FSDP's default mean: each rank's loss is already its share of
+    # the global loss (local token sum / global token count, A.aggregate with the all-reduced count), so
+    # the same loss code gives the same gradient with 1 or N processes.
+    for module in [*layers, model]:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo and HCCL have no PREMUL_SUM
     return model
 
 

@@ -96,8 +96,8 @@ def main() -> None:
         tok = nn.functional.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1), reduction="sum")
         n = torch.tensor(float(x[:, 1:].numel()))
         D.all_reduce_(n)
-        # FSDP averages gradients over ranks; scaling by W makes the global gradient that of the global token mean.
-        (tok / n * ctx.world_size).backward()
+        # Gradients are summed over ranks (apply_sharding): each rank's share of the global token mean.
+        (tok / n).backward()
         if sleep_s:
             time.sleep(sleep_s)
         gnorm = clip_grad_norm(model.parameters(), 0.5)
