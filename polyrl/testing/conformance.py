@@ -104,8 +104,12 @@ def _attention_checks(backend: Backend, dtype_name: str) -> list[Check]:
                                    backend="cpu" if name == "ref" else backend)
             out.backward(dout.to(dev, dt))
             grads = [x.grad for x in leaves] + ([s.grad] if s is not None else [])
-            results[name] = [out.float().cpu()] + [g.float().cpu() for g in grads]
+            results[name] = [out.float().cpu()] + [None if g is None else g.float().cpu() for g in grads]
         label = f"varlen_attention window={window} sinks={use_sinks} gqa={ratio} {dtype_name}"
+        missing = [n for n, g in zip(("dq", "dk", "dv", "dsinks"), results["dut"][1:]) if g is None]
+        if missing:
+            checks.append(Check(label, FAIL, f"no gradient reached {', '.join(missing)}"))
+            continue
         errs = []
         ok = True
         for i, (a, e) in enumerate(zip(results["dut"], results["ref"])):
