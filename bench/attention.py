@@ -89,7 +89,8 @@ def impl_sdpa(q, k, v, sinks, cu, lengths, window):
 
     def fwd():
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True).transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+            return out.transpose(1, 2).reshape(b * n, HQ, D)
 
     return fwd, (qb, kb, vb)
 

@@ -89,6 +89,7 @@ class _VarlenAttention(torch.autograd.Function):
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         delta = torch.empty((T, Hq), device=q.device, dtype=torch.float32)
+        d_exact = torch.empty_like(delta)
         BLOCK_DV = triton.next_power_of_2(Dv)
         BLOCK_D = triton.next_power_of_2(D)
         if T > 0:
@@ -104,7 +105,7 @@ class _VarlenAttention(torch.autograd.Function):
                 return (triton.cdiv(T, max(meta["BLOCK_M"] // G_P, 1)), Hkv)
 
             attn_bwd_dq_kernel[grid_dq](
-                q, k, v, do, lse, delta, dq, doc_start,
+                q, k, v, do, lse, delta, dq, doc_start, d_exact,
                 T, W, G, ctx.scale * LOG2E, ctx.scale,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                 do.stride(1), dq.stride(0), dq.stride(1),
@@ -125,9 +126,10 @@ class _VarlenAttention(torch.autograd.Function):
             )
         dsink = None
         if ctx.has_sink and ctx.needs_input_grad[6]:
-            # p_sink_i = exp(s_h - LSE'_i); dsink_h = -sum_i p_sink_i * D_i (fp32, fixed-order reduction).
+            # p_sink_i = exp(s_h - LSE'_i); dsink_h = -sum_i p_sink_i * D_i (fp32, fixed-order reduction), with
+            # D_i = dO_i . O'_i from the dQ kernel's fp32 P' dP row sums (not from O' rounded to bf16).
             p_sink = torch.exp(sinks.float()[None, :] - lse)
-            dsink = -(p_sink * delta).sum(0).to(sinks.dtype)
+            dsink = -(p_sink * d_exact).sum(0).to(sinks.dtype)
         return dq, dk, dv, None, None, None, dsink
 
 

@@ -33,7 +33,7 @@ def bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, R, stride_or, stride_dor,
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+def _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
              qk_scale, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
              MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
     j = start_n + offs_n
@@ -55,14 +55,15 @@ def _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, 
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)  # (M, BN)
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
-    return dq
+    d_exact += tl.sum(p * dp, 1)
+    return dq, d_exact
 
 
 @triton.autotune(configs=dq_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
                  prune_configs_by={"early_config_prune": prune_rows})
 @triton.jit
 def attn_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr, d_exact_ptr,
     T, W, G, qk_scale, scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh,
@@ -93,6 +94,7 @@ def attn_bwd_dq_kernel(
     delta = tl.load(delta_ptr + t_row * HQ + h_row, mask=row_ok, other=0.0)
     ds_row = tl.load(doc_start_ptr + t_row, mask=t_row < T, other=0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    d_exact = tl.zeros([BLOCK_M], tl.float32)
 
     last = tl.minimum(a + BLOCK_T, T) - 1
     lo = tl.load(doc_start_ptr + a)
@@ -107,15 +109,18 @@ def attn_bwd_dq_kernel(
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     for start_n in range(k_start, s1, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+        dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
                       qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW, DOT_PREC)
     for start_n in range(s1, s2, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+        dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
                       qk_scale, offs_n, offs_d, offs_dv, D, DV, False, HAS_WINDOW, DOT_PREC)
     for start_n in range(s2, k_end, BLOCK_N):
-        dq = _dq_tile(dq, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
+        dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
                       qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW, DOT_PREC)
     dq = dq * scale
+    # D_i recomputed exactly as sum_j P'_ij dP_ij = dO_i . O'_i in fp32 (the preprocess D uses the output
+    # rounded to the input dtype, standard for dS; the sink gradient, a sum over T rows, wants the exact one).
+    tl.store(d_exact_ptr + t_row * HQ + h_row, d_exact, mask=row_ok)
     tl.store(dq_ptr + t_row[:, None] * stride_dqt + h_row[:, None] * stride_dqh + offs_d[None, :],
              dq.to(dq_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_d[None, :] < D))
 

@@ -44,6 +44,8 @@ def forward_configs() -> list[triton.Config]:
         _cfg(8, 3, BLOCK_M=128, BLOCK_N=128),
         _cfg(8, 2, BLOCK_M=256, BLOCK_N=64),
         _cfg(4, 2, BLOCK_M=64, BLOCK_N=64),
+        _cfg(8, 3, BLOCK_M=256, BLOCK_N=128),
+        _cfg(4, 4, BLOCK_M=128, BLOCK_N=32),
     ])
 
 
@@ -54,6 +56,8 @@ def dq_configs() -> list[triton.Config]:
         _cfg(4, 2, BLOCK_M=128, BLOCK_N=64),
         _cfg(8, 2, BLOCK_M=128, BLOCK_N=128),
         _cfg(4, 3, BLOCK_M=64, BLOCK_N=64),
+        _cfg(8, 3, BLOCK_M=256, BLOCK_N=64),
+        _cfg(4, 3, BLOCK_M=128, BLOCK_N=32),
     ])
 
 
@@ -67,4 +71,6 @@ def dkdv_configs() -> list[triton.Config]:
         _cfg(8, 2, BLOCK_M=64, BLOCK_N=128),
         _cfg(8, 3, BLOCK_M=128, BLOCK_N=128),
         _cfg(4, 3, BLOCK_M=32, BLOCK_N=64),
+        _cfg(8, 2, BLOCK_M=128, BLOCK_N=64),
+        _cfg(4, 2, BLOCK_M=64, BLOCK_N=32),
     ])
