@@ -1,0 +1,128 @@
+"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--dry-run] [key.path=value ...]``
+
+Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
+trainer built (task, data file, models) before the run directory is created or touched; any bad input
+raises ``BadInputError`` on the way and the CLI front prints one line and exits 2. Only then is the run
+directory opened (resuming from its last complete checkpoint when it has one) and the loop started.
+
+Module-level imports stay light: ``polyrl backends`` imports this module to build its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=None, help="backend name (default: the selection rule)")
+    p.add_argument("--output", default=None, help="run directory (default: runs/<recipe>-<time>); reused = resume")
+    p.add_argument("--seed", type=int, default=None, help="seed of every random source (= trainer.seed=N)")
+    p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun, FSDP2)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; run nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "run", help="train a recipe", description=__doc__.split("\n\n")[0],
+        epilog="RECIPE is a path or a packaged recipe (recipes/gpt_oss_dapo_tiny.yaml works from any directory).",
+    )
+    p.add_argument("recipe", metavar="RECIPE")
+    _add_options(p)
+    # Overrides may come before or after the options; they are separated from them in main().
+    p.add_argument("overrides", nargs=argparse.REMAINDER, metavar="key.path=value")
+    return p
+
+
+def _split_remainder(args: argparse.Namespace) -> argparse.Namespace:
+    """Options that came after the first override (argparse leaves them in the remainder) are parsed here."""
+    rest = argparse.ArgumentParser(prog="polyrl run", add_help=False)
+    _add_options(rest)
+    rest.add_argument("overrides", nargs="*")
+    defaults = {a.dest: a.default for a in rest._actions if a.dest != "overrides"}
+    ns = rest.parse_intermixed_args(args.overrides or [])
+    for key, default in defaults.items():
+        value = getattr(ns, key)
+        if value != default:
+            setattr(args, key, value)
+    args.overrides = list(ns.overrides)
+    return args
+
+
+def _recipe_name(spec: str) -> str:
+    return Path(spec).name.removesuffix(".yaml").removesuffix(".yml")
+
+
+def main(args: argparse.Namespace) -> int:
+    args = _split_remainder(args)
+    from polyrl.core import distributed as D
+
+    if args.nproc > 1 and not D.under_torchrun():
+        from polyrl.core.launch import launch_torchrun, strip_nproc
+
+        argv = strip_nproc(sys.argv[1:])
+        return launch_torchrun(argv, args.nproc)
+
+    from polyrl.core.config import dump_config, load_config
+    from polyrl.core.selection import set_active_backend
+
+    overrides = list(args.overrides)
+    if args.seed is not None:
+        overrides.append(f"trainer.seed={args.seed}")
+    if args.backend is not None:
+        overrides.append(f"backend.name={args.backend}")
+    cfg = load_config(args.recipe, overrides)
+    backend = set_active_backend(cfg.backend.name)
+    if cfg.backend.name is None:
+        cfg.backend.name = backend.name  # the resolved config names what actually ran
+    config_yaml = dump_config(cfg)
+    if args.dry_run:
+        from polyrl.core.trainer.setup import build_task, check_config
+
+        check_config(cfg)
+        build_task(cfg)  # the data file and its rows are validated too
+        sys.stdout.write(config_yaml)
+        return 0
+    return _train(args, cfg, backend, config_yaml)
+
+
+def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
+    from polyrl.core import distributed as D
+    from polyrl.core.checkpoint import load_latest_checkpoint
+    from polyrl.core.run_dir import RunDir, default_run_dir
+    from polyrl.core.trainer import Trainer, TrainingAborted, fit
+
+    D.init_distributed(backend)
+    trainer = Trainer(cfg, backend)  # last place bad input can surface: nothing written yet
+    out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
+    out = Path(D.broadcast_object(str(out)))
+    run_dir = RunDir(out, is_main=D.is_main_process())
+    resumed = None
+    if run_dir.checkpoints.is_dir():
+        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(),
+                                         device_type=backend.device_type)
+    run_dir.open(config_yaml, resume_step=resumed)
+    say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
+    if resumed is not None:
+        say(f"resuming {out} from step {resumed}")
+    try:
+        last = fit(trainer, run_dir, progress=not args.no_progress and sys.stderr.isatty() or _force_bar(), log=say)
+    except TrainingAborted as exc:
+        say(f"error: {exc}")
+        return 1
+    finally:
+        run_dir.close()
+    if last:
+        say(f"done: {out} (step {trainer.state.step}, reward/mean {last['reward/mean']:.3f})")
+    else:
+        say(f"nothing to do: {out} is already at step {trainer.state.step}")
+    D.shutdown_distributed()
+    return 0
+
+
+def _force_bar() -> bool:
+    import os
+
+    return os.environ.get("POLYRL_PROGRESS", "") == "1"

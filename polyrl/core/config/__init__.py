@@ -1,0 +1,45 @@
+"""Recipe configuration: the typed schema and its loader (see ``schema`` and ``loader``)."""
+
+from polyrl.core.config.loader import (
+    PACKAGED_RECIPES,
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+    load_recipe_dict,
+    packaged_recipes,
+    resolve_recipe,
+)
+from polyrl.core.config.schema import (
+    AlgorithmConfig,
+    BackendConfig,
+    DataConfig,
+    DynamicSamplingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    OverlongConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "PACKAGED_RECIPES",
+    "AlgorithmConfig",
+    "BackendConfig",
+    "DataConfig",
+    "DynamicSamplingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "OverlongConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "dump_config",
+    "load_config",
+    "load_recipe_dict",
+    "packaged_recipes",
+    "resolve_recipe",
+]

@@ -1,0 +1,164 @@
+"""The typed schema of a recipe: one dataclass per section, every field with a type and a default.
+
+Design choice: plain dataclasses plus a small validator (``polyrl.core.config.validate``) rather than a
+schema library, so the schema reads as a list of knobs with their units and the error messages name the
+full key path (``algorithm.clip_high: expected float, got str 'high'``). Free-form mappings (model
+architecture overrides, task parameters) are typed ``dict[str, Any]`` and are the only places where
+unknown keys are accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class ModelConfig:
+    # A local HF checkpoint directory (its weights are loaded), or a preset of polyrl.core.models
+    # ("gpt_oss_tiny", "deepseek_v3_tiny", "gpt_oss_20b", ...: random init at that architecture).
+    name: str = "gpt_oss_tiny"
+    attn_implementation: str = "polyrl"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Architecture keys passed to the model config (hidden_size, num_hidden_layers, ...).
+    overrides: dict[str, Any] = field(default_factory=dict)
+    # Critic (PPO): same architecture as the actor unless named; a scalar value head on top.
+    critic_name: str | None = None
+    critic_overrides: dict[str, Any] = field(default_factory=dict)
+    # Tokenizer: None = the checkpoint's own, or the task's tiny vocabulary for synthetic tasks.
+    tokenizer: str | None = None
+
+
+@dataclass
+class DataConfig:
+    # A built-in synthetic task (polyrl.core.tasks) or "math" for real data read from train_files.
+    task: str = "copy"
+    task_params: dict[str, Any] = field(default_factory=dict)
+    # A parquet / jsonl file for real data (task "math"); rows need `prompt_key` and `answer_key`, which may
+    # be dotted paths into nested fields (schema: docs/data.md).
+    path: str | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_prompt_length: int = 1024
+    # Prompts per training step (before the rollout's n samples each).
+    batch_size: int = 16
+    shuffle: bool = True
+    # Wall-clock bound of one reward computation; a timeout scores as failure and is counted.
+    reward_timeout_s: float = 5.0
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "hf"
+    n: int = 8  # samples per prompt (the GRPO/DAPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    max_response_length: int = 1024
+    # Extra stop tokens; the tokenizer's EOS always stops.
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Sequences generated together (memory bound); 0 = all at once.
+    micro_batch_size: int = 0
+
+
+@dataclass
+class OverlongConfig:
+    enable: bool = False
+    buffer_length: int = 4096
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class DynamicSamplingConfig:
+    # DAPO: keep only groups whose metric varies, regenerate until `data.batch_size` groups are kept.
+    enable: bool = False
+    metric: Literal["acc", "score"] = "acc"
+    # Generation batches per step at most; 0 = unbounded.
+    max_num_gen_batches: int = 10
+    # When the bound is hit: "error" (DAPO: stop with a clear message) or "train" on what was kept.
+    on_exhausted: Literal["error", "train"] = "error"
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: Literal["grpo", "gae"] = "grpo"
+    norm_adv_by_std: bool = True
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = 3.0  # dual clip (None = off)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    ppo_epochs: int = 1
+    # Sequences per optimizer step; the rollout batch is split into mini-batches of this size.
+    mini_batch_size: int = 64
+    # Packed tokens per forward pass (gradient accumulation inside a mini-batch).
+    micro_batch_tokens: int = 16384
+    entropy_coeff: float = 0.0
+    # KL as a reward penalty (PPO style) with a fixed or adaptive coefficient.
+    use_kl_in_reward: bool = False
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001
+    kl_target: float = 0.1
+    kl_horizon: int = 10000
+    # KL as a loss term (GRPO style).
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl", "abs", "mse"] = "low_var_kl"
+    # Critic (gae).
+    value_clip: float = 0.5
+    critic_warmup_steps: int = 0
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "adam"] = "adamw"
+    lr: float = 1e-6
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    schedule: Literal["constant", "cosine"] = "constant"
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    critic_lr: float = 1e-5
+    critic_weight_decay: float = 0.01
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    seed: int = 0
+    # Checkpoint every N steps (0 = only the final one).
+    save_every: int = 0
+    # Skip an update whose loss or grad norm is not finite; abort after this many in a row.
+    max_nonfinite_in_row: int = 3
+    # CPU threads for torch (0 = leave torch's default).
+    num_threads: int = 0
+    logprob_chunk_size: int = 1024
+    progress_bar: bool = True
+
+
+@dataclass
+class BackendConfig:
+    # None = the selection rule (POLYRL_BACKEND, then the one available accelerator, then cpu).
+    name: str | None = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

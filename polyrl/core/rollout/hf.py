@@ -1,0 +1,120 @@
+"""The ``hf`` rollout engine: batched sampling with a KV cache on the trainer's own model.
+
+Colocated by construction: the engine holds a reference to the training model, so there is nothing to
+sync after an update. Prompts are left-padded into one batch; the attention mask carries the padding and
+``position_ids`` count real tokens only, so a padded prompt sees exactly what it would alone. Every step
+feeds one token per row through the model's cache (transformers ``DynamicCache``); rows that stopped keep
+decoding padding (cheaper than re-batching) and are cut off afterwards. The loop ends when every row has
+stopped or ``max_tokens`` is reached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
+    """Mask (to -inf) tokens outside the top-k and outside the smallest set with probability >= top_p.
+
+    logits: [B, V] fp32, already divided by the temperature. The most likely token always survives.
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model: Any, *, pad_token_id: int) -> None:
+        self.model = model
+        self.pad_token_id = int(pad_token_id)
+
+    def sync_weights(self, model: Any) -> None:
+        self.model = model  # shared weights: nothing to copy
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None
+    ) -> RolloutOutput:
+        chunk = params.micro_batch_size or len(prompts)
+        out = RolloutOutput([], [], [])
+        for start in range(0, len(prompts), chunk):
+            part = self._generate_batch(prompts[start : start + chunk], params, generator)
+            out.response_ids += part.response_ids
+            out.logprobs += part.logprobs
+            out.finish_reasons += part.finish_reasons
+        return out
+
+    def _generate_batch(
+        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+    ) -> RolloutOutput:
+        from transformers import DynamicCache
+
+        model = self.model
+        device = next(model.parameters()).device
+        B = len(prompts)
+        S = max(len(p) for p in prompts)
+        if min(len(p) for p in prompts) == 0:
+            raise ValueError("empty prompt")
+        ids = torch.full((B, S), self.pad_token_id, dtype=torch.long, device=device)
+        mask = torch.zeros((B, S), dtype=torch.long, device=device)
+        for i, p in enumerate(prompts):  # left padding: the last prompt token of every row is at S - 1
+            ids[i, S - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+            mask[i, S - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]: 0 at each row's first real token
+        stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
+
+        was_training = model.training
+        model.eval()
+        cache = DynamicCache(config=model.config)
+        tokens = torch.empty((B, params.max_tokens), dtype=torch.long, device=device)
+        logps = torch.zeros((B, params.max_tokens), dtype=torch.float32, device=device)
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        lengths = torch.full((B,), params.max_tokens, dtype=torch.long, device=device)
+        step_ids, step_pos = ids, positions
+        try:
+            for t in range(params.max_tokens):
+                logits = model(
+                    input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
+                    use_cache=True,
+                ).logits[:, -1].float()  # [B, V]
+                logits = logits / params.temperature
+                logp_all = torch.log_softmax(logits, dim=-1)
+                probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
+                tokens[:, t] = nxt
+                logps[:, t] = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
+                hit = ~done & torch.isin(nxt, stop) if stop.numel() else torch.zeros_like(done)
+                lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
+                done = done | hit
+                if bool(done.all()):
+                    break
+                step_ids = nxt[:, None]
+                step_pos = step_pos[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+        finally:
+            model.train(was_training)
+
+        lengths_l = lengths.tolist()
+        done_l = done.tolist()
+        tok_l = tokens.tolist()
+        lp_l = logps.tolist()
+        return RolloutOutput(
+            response_ids=[tok_l[i][: lengths_l[i]] for i in range(B)],
+            logprobs=[lp_l[i][: lengths_l[i]] for i in range(B)],
+            finish_reasons=["stop" if done_l[i] else "length" for i in range(B)],
+        )

@@ -1,0 +1,157 @@
+"""Sequences for the update: padded [B, R] response tensors, and packed forward passes over them.
+
+A training batch keeps one row per sampled sequence: its prompt ids, its response ids, and [B, R]
+response-aligned tensors (R = the longest response): ``mask``, rollout log-probs, and later old/ref
+log-probs, values, advantages, returns. Forward passes never see [B, R] padding: a micro-batch of rows
+is *packed* into one row of concatenated documents whose ``position_ids`` restart at 0 (the layout the
+``"polyrl"`` attention turns into ``cu_seqlens``), and the per-token outputs are scattered back to
+[b, R]. Attention implementations that cannot pack (eager, sdpa) get a right-padded batch instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+
+from polyrl.core import algorithms as A
+
+
+@dataclasses.dataclass
+class SequenceBatch:
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    group_ids: list[object]
+    mask: torch.Tensor  # [B, R] float 0/1
+    rollout_logp: torch.Tensor  # [B, R] sampling log-probs from the engine
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts)
+
+    @classmethod
+    def from_rollout(
+        cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], group_ids: list
+    ) -> SequenceBatch:
+        B = len(prompts)
+        R = max(1, max(len(r) for r in responses))
+        mask = torch.zeros(B, R)
+        lp = torch.zeros(B, R)
+        for i, (r, l) in enumerate(zip(responses, logprobs)):
+            mask[i, : len(r)] = 1.0
+            lp[i, : len(r)] = torch.tensor(l, dtype=torch.float32)
+        return cls(list(prompts), list(responses), list(group_ids), mask, lp)
+
+
+def micro_batches(lengths: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split ``rows`` (in order) into runs whose total length stays within ``max_tokens``.
+
+    A single row longer than the budget gets a micro-batch of its own.
+    """
+    out: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for r in rows:
+        n = lengths[r]
+        if cur and used + n > max_tokens:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(r)
+        used += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _layout(batch: SequenceBatch, rows: Sequence[int], packed: bool, pad_id: int, device: torch.device):
+    """Model inputs for ``rows`` and, per row, the flat indices of the positions predicting its response.
+
+    Returns (kwargs for the model, gather index [N] into the flattened [*, T] outputs, scatter (row, col)
+    pairs of the [b, R] result). Position p predicts token p + 1, so response token j of a row whose
+    prompt has P tokens is predicted at P - 1 + j.
+    """
+    seqs = [batch.prompts[r] + batch.responses[r] for r in rows]
+    gather: list[int] = []
+    dst_row: list[int] = []
+    dst_col: list[int] = []
+    if packed:
+        ids: list[int] = []
+        pos: list[int] = []
+        for i, (r, s) in enumerate(zip(rows, seqs)):
+            start = len(ids)
+            ids += s
+            pos += range(len(s))
+            P = len(batch.prompts[r])
+            n = len(batch.responses[r])
+            gather += range(start + P - 1, start + P - 1 + n)
+            dst_row += [i] * n
+            dst_col += range(n)
+        kwargs = {
+            "input_ids": torch.tensor([ids], dtype=torch.long, device=device),
+            "position_ids": torch.tensor([pos], dtype=torch.long, device=device),
+        }
+    else:
+        L = max(len(s) for s in seqs)
+        ids_t = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=device)
+        att = torch.zeros((len(seqs), L), dtype=torch.long, device=device)
+        for i, (r, s) in enumerate(zip(rows, seqs)):
+            ids_t[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            att[i, : len(s)] = 1
+            P = len(batch.prompts[r])
+            n = len(batch.responses[r])
+            gather += range(i * L + P - 1, i * L + P - 1 + n)
+            dst_row += [i] * n
+            dst_col += range(n)
+        kwargs = {"input_ids": ids_t, "attention_mask": att}
+    labels = torch.tensor([t for r in rows for t in batch.responses[r]], dtype=torch.long, device=device)
+    return kwargs, torch.tensor(gather, dtype=torch.long, device=device), (dst_row, dst_col), labels
+
+
+def _scatter(values: torch.Tensor, dst: tuple[list[int], list[int]], b: int, R: int) -> torch.Tensor:
+    out = values.new_zeros(b, R)
+    return out.index_put((torch.tensor(dst[0], dtype=torch.long), torch.tensor(dst[1], dtype=torch.long)), values)
+
+
+def policy_forward(
+    model: torch.nn.Module,
+    batch: SequenceBatch,
+    rows: Sequence[int],
+    *,
+    packed: bool,
+    pad_id: int,
+    temperature: float,
+    chunk_size: int,
+    compute_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies [b, R] of the responses of ``rows`` under ``model`` (differentiable)."""
+    device = next(model.parameters()).device
+    kwargs, gather, dst, labels = _layout(batch, rows, packed, pad_id, device)
+    logits = model(**kwargs, use_cache=False).logits  # [1, T, V] or [b, L, V]
+    sel = logits.reshape(-1, logits.shape[-1]).index_select(0, gather)  # [N, V]: response positions only
+    logp, ent = A.logprobs_and_entropy(
+        sel, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy
+    )
+    R = batch.mask.shape[1]
+    return _scatter(logp, dst, len(rows), R), _scatter(ent, dst, len(rows), R)
+
+
+def value_forward(
+    critic: torch.nn.Module, batch: SequenceBatch, rows: Sequence[int], *, packed: bool, pad_id: int
+) -> torch.Tensor:
+    """Critic values [b, R]: V at the position that predicts each response token (the state before it)."""
+    device = next(critic.parameters()).device
+    kwargs, gather, dst, _ = _layout(batch, rows, packed, pad_id, device)
+    values = critic(**kwargs)  # [1, T] or [b, L]
+    sel = values.reshape(-1).index_select(0, gather).float()
+    return _scatter(sel, dst, len(rows), batch.mask.shape[1])
+
+
+@torch.no_grad()
+def forward_all(fn: Callable[[list[int]], torch.Tensor], batch: SequenceBatch, max_tokens: int) -> torch.Tensor:
+    """Run ``fn`` over micro-batches of the whole batch (no grad) and stitch the [B, R] result."""
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    out = torch.zeros_like(batch.mask)
+    for rows in micro_batches(lengths, list(range(batch.size)), max_tokens):
+        out[rows] = fn(rows).float()
+    return out

@@ -1,0 +1,174 @@
+"""From prompts to a scored training batch: rollout → reward → overlong shaping → DAPO dynamic sampling.
+
+``collect_experience`` draws ``data.batch_size`` prompts (this rank takes its contiguous slice), samples
+``rollout.n`` responses each, scores them with the task (a reward that raises or times out scores as
+failure and is counted), adds the DAPO overlong penalty, and — with dynamic sampling on — keeps only groups
+whose metric varies, drawing new generation batches until enough groups are kept or
+``max_num_gen_batches`` is reached (then "error" stops the run with DAPO's message, "train" trains on
+what was kept).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+
+from polyrl.core import algorithms as A
+from polyrl.core import distributed as D
+from polyrl.core.config import RunConfig
+from polyrl.core.rewards import score_batch
+from polyrl.core.rollout import SamplingParams
+from polyrl.core.trainer.batch import SequenceBatch
+
+
+class TrainingAborted(RuntimeError):
+    """The run cannot continue (non-finite updates in a row, dynamic sampling exhausted); message says why."""
+
+
+@dataclasses.dataclass
+class Experience:
+    batch: SequenceBatch | None  # None when dynamic sampling kept nothing
+    scores: torch.Tensor  # [B] shaped sequence scores (task score + overlong penalty)
+    metrics: dict[str, float]
+
+
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    bos = tokenizer.bos_token_id
+    return ([bos] if bos is not None else []) + list(ids)
+
+
+def decode_response(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:
+    if ids and ids[-1] in stop_ids:
+        ids = ids[:-1]
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list) -> dict[str, Any]:
+    """One generation batch on this rank: per sequence prompt, response, logprobs, group, score."""
+    tok, n = ctx.tokenizer, cfg.rollout.n
+    prompts = []
+    truncated = 0
+    for ex in examples:
+        ids = encode_prompt(tok, ex.prompt)
+        if len(ids) > cfg.data.max_prompt_length:  # keep the end: the question is usually last
+            ids, truncated = ids[-cfg.data.max_prompt_length :], truncated + 1
+        prompts.append(ids)
+    seq_prompts = [p for p in prompts for _ in range(n)]
+    seq_examples = [ex for ex in examples for _ in range(n)]
+    out = ctx.engine.generate(seq_prompts, ctx.sampling, generator=ctx.state.sample_gen)
+    stop = set(ctx.sampling.stop_token_ids)
+    texts = [decode_response(tok, r, stop) for r in out.response_ids]
+    raw, stats = score_batch(ctx.task, seq_examples, texts, timeout_s=cfg.data.reward_timeout_s)
+    lengths = torch.tensor([len(r) for r in out.response_ids], dtype=torch.float32)
+    raw_t = torch.tensor(raw, dtype=torch.float32)
+    ov = cfg.algorithm.overlong
+    penalty = (
+        A.overlong_penalty(lengths, cfg.rollout.max_response_length, ov.buffer_length, ov.penalty_factor)
+        if ov.enable else torch.zeros_like(raw_t)
+    )
+    return {
+        "prompts": seq_prompts, "responses": out.response_ids, "logprobs": out.logprobs,
+        "group_ids": [ex.group_id for ex in seq_examples], "raw": raw_t, "shaped": raw_t + penalty,
+        "penalty": penalty, "lengths": lengths, "finish": out.finish_reasons, "stats": stats,
+        "truncated": truncated,
+    }
+
+
+def _select(part: dict[str, Any], rows: list[int]) -> dict[str, Any]:
+    keys = ("prompts", "responses", "logprobs", "group_ids")
+    out = {k: [part[k][i] for i in rows] for k in keys}
+    out["shaped"] = part["shaped"][rows]
+    return out
+
+
+def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
+    ds = cfg.algorithm.dynamic_sampling
+    target = cfg.data.batch_size  # groups (prompts) in the global batch
+    kept: list[dict[str, Any]] = []
+    kept_groups = gen_batches = filtered_groups = 0
+    seen: list[dict[str, Any]] = []  # every generated sequence, for the reward/length metrics
+    t0 = time.perf_counter()
+    while True:
+        examples = D.shard_for_rank(ctx.task.sample(target, ctx.state.task_rng))
+        part = _generate_and_score(cfg, ctx, examples)
+        seen.append(part)
+        gen_batches += 1
+        rows = list(range(len(part["prompts"])))
+        if not ds.enable:
+            kept.append(_select(part, rows))
+            break
+        metric = part["raw"] >= 1.0 if ds.metric == "acc" else part["shaped"]
+        keep = A.filter_groups(metric.float(), part["group_ids"]).tolist()
+        groups = list(dict.fromkeys(part["group_ids"]))
+        keep_groups = [g for g in groups if keep[part["group_ids"].index(g)]]
+        n_keep = int(D.all_reduce_(torch.tensor(float(len(keep_groups)), dtype=torch.float64)).item())
+        filtered_groups += target - n_keep
+        # take only what the batch still needs (the groups of this rank, in arrival order)
+        room = target - kept_groups
+        if n_keep > room:
+            keep_groups = keep_groups[: max(0, room // D.get_world_size())]
+            n_keep = room
+        chosen = set(keep_groups)
+        kept.append(_select(part, [i for i in rows if part["group_ids"][i] in chosen]))
+        kept_groups += n_keep
+        if kept_groups >= target:
+            break
+        if 0 < ds.max_num_gen_batches <= gen_batches:
+            if ds.on_exhausted == "error":
+                raise TrainingAborted(
+                    f"dynamic sampling kept {kept_groups} of the {target} groups needed after {gen_batches} "
+                    f"generation batches (algorithm.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches}; "
+                    f"{filtered_groups} groups had the same {ds.metric} for every sample). Raise the bound, lower "
+                    "data.batch_size, or use easier/harder data."
+                )
+            break
+    rollout_s = time.perf_counter() - t0
+
+    metrics = _rollout_metrics(cfg, seen)
+    metrics.update({"dapo/gen_batches": gen_batches, "dapo/groups_filtered": filtered_groups,
+                    "dapo/groups_kept": kept_groups, "time/rollout_s": rollout_s})
+    prompts = [p for k in kept for p in k["prompts"]]
+    if not prompts:
+        return Experience(None, torch.zeros(0), metrics)
+    batch = SequenceBatch.from_rollout(
+        prompts, [r for k in kept for r in k["responses"]], [lp for k in kept for lp in k["logprobs"]],
+        [g for k in kept for g in k["group_ids"]],
+    )
+    return Experience(batch, torch.cat([k["shaped"] for k in kept]), metrics)
+
+
+def _rollout_metrics(cfg: RunConfig, seen: list[dict[str, Any]]) -> dict[str, float]:
+    raw = torch.cat([p["raw"] for p in seen])
+    lengths = torch.cat([p["lengths"] for p in seen])
+    penalty = torch.cat([p["penalty"] for p in seen])
+    clipped = sum(f == "length" for p in seen for f in p["finish"])
+    return {
+        # reward/* is the task's own score (before overlong shaping), over every generated sample
+        "reward/mean": float(raw.mean()),
+        "reward/max": float(raw.max()),
+        "reward/min": float(raw.min()),
+        "reward/shaped_mean": float((raw + penalty).mean()),
+        "reward/errors": sum(p["stats"].get("reward/errors", 0) for p in seen),
+        "reward/timeouts": sum(p["stats"].get("reward/timeouts", 0) for p in seen),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/clip_ratio": clipped / len(lengths),
+        "dapo/overlong_penalized": int((penalty < 0).sum()),
+        "dapo/overlong_penalty_mean": float(penalty.mean()),
+        "prompt/truncated": sum(p["truncated"] for p in seen),
+    }
+
+
+def sampling_params(cfg: RunConfig, eos_id: int | None) -> SamplingParams:
+    stops = set(cfg.rollout.stop_token_ids)
+    if eos_id is not None:
+        stops.add(int(eos_id))
+    return SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        max_tokens=cfg.rollout.max_response_length, stop_token_ids=tuple(sorted(stops)),
+        micro_batch_size=cfg.rollout.micro_batch_size,
+    )

@@ -1,0 +1,205 @@
+"""The RL loop, top to bottom: rollout → reward → (critic values) → advantages → PPO updates → metrics.
+
+``Trainer.step()`` is one training step and reads in that order; everything it needs is built once in
+``Trainer.__init__`` (:mod:`polyrl.core.trainer.setup`), where every user mistake surfaces as
+``BadInputError`` before a run directory exists. SPMD-ready: each rank takes its slice of the prompts,
+token counts are all-reduced, metrics are averaged over ranks and written by rank 0. Resumable: the
+mutable state lives in the models, optimizers, schedulers and ``TrainerState`` that ``checkpoint_state``
+hands to :mod:`polyrl.core.checkpoint`.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import torch
+
+from polyrl.core import algorithms as A
+from polyrl.core import distributed as D
+from polyrl.core.config import RunConfig
+from polyrl.core.rollout import build_engine
+from polyrl.core.trainer.batch import SequenceBatch, forward_all, policy_forward, value_forward
+from polyrl.core.trainer.experience import TrainingAborted, collect_experience, sampling_params
+from polyrl.core.trainer.setup import build_kl_controller, build_models, build_task, build_tokenizer, check_config
+from polyrl.core.trainer.state import TrainerState
+from polyrl.core.trainer.update import update_actor, update_critic
+
+__all__ = ["Trainer", "TrainingAborted", "fit", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    """Python, torch (CPU and the active accelerator through torch's generic API)."""
+    random.seed(seed)
+    torch.manual_seed(seed)  # seeds every device's default generator too
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, backend: Any, device: torch.device | None = None) -> None:
+        check_config(cfg)
+        self.cfg = cfg
+        self.backend = backend
+        self.device = device if device is not None else backend.device(D.get_local_rank())
+        if cfg.trainer.num_threads > 0:
+            torch.set_num_threads(cfg.trainer.num_threads)
+        seed_everything(cfg.trainer.seed)
+        self.task = build_task(cfg)
+        self.tokenizer = build_tokenizer(cfg, self.task)
+        tiny_vocab = len(self.tokenizer) if self.task.vocab() else None
+        self.models = build_models(cfg, tiny_vocab, backend, self.device)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # Packing needs an attention that splits documents by position_ids; others get padded rows.
+        self.packed = cfg.model.attn_implementation == "polyrl"
+        self.engine = build_engine(cfg.rollout.engine, self.models.actor, pad_token_id=self.pad_id)
+        self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
+        self.state = TrainerState(cfg.trainer.seed, self.task, build_kl_controller(cfg))
+
+    # --- the step ----------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        t0 = time.perf_counter()
+        # 1-2. rollout and reward (with overlong shaping and DAPO dynamic sampling)
+        exp = collect_experience(cfg, self)
+        metrics = dict(exp.metrics)
+        if exp.batch is not None:
+            metrics.update(self._learn(exp.batch, exp.scores))
+        # LR schedule: once per training step
+        metrics["actor/lr"] = self.models.optimizer.param_groups[0]["lr"]
+        self.models.scheduler.step()
+        if self.models.critic_scheduler is not None:
+            self.models.critic_scheduler.step()
+        self.engine.sync_weights(self.models.actor)
+        c = self.state.counters
+        c.gen_batches += int(metrics["dapo/gen_batches"])
+        c.groups_filtered += int(metrics["dapo/groups_filtered"])
+        c.overlong_penalized += int(metrics["dapo/overlong_penalized"])
+        c.reward_errors += int(metrics["reward/errors"])
+        c.reward_timeouts += int(metrics["reward/timeouts"])
+        metrics["train/nonfinite_skipped"] = c.nonfinite_skipped
+        metrics["train/skipped_no_data"] = int(exp.batch is None)
+        self.state.step += 1
+        metrics["time/step_s"] = time.perf_counter() - t0
+        metrics = D.all_reduce_metrics(metrics, ops={"time/step_s": "max", "time/rollout_s": "max"})
+        return {"step": self.state.step, **metrics}
+
+    def _learn(self, batch: SequenceBatch, scores: torch.Tensor) -> dict[str, float]:
+        cfg, alg = self.cfg, self.cfg.algorithm
+        m = self.models
+        t0 = time.perf_counter()
+        budget = cfg.algorithm.micro_batch_tokens
+        mask = batch.mask
+        # 3. old log-probs (the trainer's view of the behaviour policy), reference, critic values
+        ent = torch.zeros_like(mask)
+
+        def actor_fn(rows: list[int]) -> torch.Tensor:
+            logp, e = policy_forward(m.actor, batch, rows, packed=self.packed, pad_id=self.pad_id,
+                                     temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size,
+                                     compute_entropy=True)
+            ent[rows] = e.detach()
+            return logp
+
+        old_logp = forward_all(actor_fn, batch, budget)
+        metrics = {
+            "rollout/logprob_diff": float(A.masked_mean((old_logp - batch.rollout_logp).abs(), mask)),
+            "actor/entropy": float(A.masked_mean(ent, mask)),
+        }
+        ref_logp = None
+        if m.ref is not None:
+            ref_logp = forward_all(
+                lambda rows: policy_forward(m.ref, batch, rows, packed=self.packed, pad_id=self.pad_id,
+                                            temperature=cfg.rollout.temperature,
+                                            chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=False)[0],
+                batch, budget)
+            metrics["kl/actor_ref"] = float(A.masked_mean(A.kl_penalty(old_logp, ref_logp, "k1"), mask))
+        values = None
+        if m.critic is not None:
+            values = forward_all(lambda rows: value_forward(m.critic, batch, rows, packed=self.packed,
+                                                            pad_id=self.pad_id), batch, budget)
+        # 4. token rewards (score on the last token, minus β·KL) and advantages
+        token_rewards = A.last_token_rewards(scores, mask)
+        if alg.use_kl_in_reward and ref_logp is not None:
+            token_rewards, kl_m = A.compute_kl_in_reward(token_rewards, old_logp, ref_logp, mask, self.state.kl_ctrl,
+                                                         alg.kl_kind)
+            metrics["kl/reward_kl"], metrics["kl/coef"] = kl_m["kl"], kl_m["kl_coef"]
+        returns = None
+        if alg.adv_estimator == "gae":
+            advantages, returns = A.gae_advantages(token_rewards, values, mask, alg.gamma, alg.lam)
+        else:
+            seq = A.sequence_scores(token_rewards, mask)
+            advantages = A.broadcast_to_tokens(A.group_advantages(seq, batch.group_ids, norm_by_std=alg.norm_adv_by_std),
+                                               mask)
+        metrics["advantages/mean"] = float(A.masked_mean(advantages, mask))
+        metrics["advantages/abs_mean"] = float(A.masked_mean(advantages.abs(), mask))
+        metrics["time/prepare_s"] = time.perf_counter() - t0
+        # 5. updates: critic first (its targets are fixed), then the actor after the critic warmup
+        t1 = time.perf_counter()
+        if m.critic is not None:
+            metrics.update(update_critic(cfg, self, batch, values, returns))
+            metrics["critic/explained_var"] = _explained_variance(values, returns, mask)
+        if self.state.step >= alg.critic_warmup_steps:
+            metrics.update(update_actor(cfg, self, batch, old_logp, ref_logp, advantages))
+        metrics["time/update_s"] = time.perf_counter() - t1
+        return metrics
+
+    # --- checkpoints -------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        m = self.models
+        return {"model": m.actor, "optimizer": m.optimizer, "critic": m.critic, "critic_optimizer": m.critic_optimizer,
+                "scheduler": m.scheduler, "critic_scheduler": m.critic_scheduler, "trainer": self.state}
+
+    def weights_finite(self) -> bool:
+        mods = [self.models.actor] + ([self.models.critic] if self.models.critic is not None else [])
+        ok = all(bool(torch.isfinite(p.detach()).all()) for mod in mods for p in mod.parameters())
+        return bool(D.all_reduce_(torch.tensor(float(not ok)), "max").item() == 0.0)
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    var_r = float(A.masked_mean((returns - A.masked_mean(returns, mask)) ** 2, mask))
+    resid = returns - values
+    var_e = float(A.masked_mean((resid - A.masked_mean(resid, mask)) ** 2, mask))
+    return 1.0 - var_e / var_r if var_r > 0 and math.isfinite(var_r) else 0.0
+
+
+def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = None) -> dict[str, float]:
+    """Train until ``trainer.total_steps``: step, log, checkpoint every ``save_every`` steps and at the end.
+
+    Resumes from the newest complete checkpoint in ``run_dir.checkpoints`` when there is one (the caller
+    has already done so and set ``trainer.state.step``). A checkpoint is written only when every weight is
+    finite. Returns the last step's metrics.
+    """
+    from polyrl.core.checkpoint import save_checkpoint
+
+    cfg = trainer.cfg.trainer
+    bar = None
+    if progress and D.is_main_process():
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.total_steps, initial=trainer.state.step, desc="polyrl", unit="step", dynamic_ncols=True)
+    last: dict[str, float] = {}
+    try:
+        while trainer.state.step < cfg.total_steps:
+            last = trainer.step()
+            run_dir.log(last)
+            if bar is not None:
+                bar.set_postfix(reward=f"{last['reward/mean']:.3f}", loss=f"{last.get('loss/policy', 0.0):.4f}",
+                                s_step=f"{last['time/step_s']:.2f}", refresh=False)
+                bar.update(1)
+            step = trainer.state.step
+            if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.total_steps:
+                if trainer.weights_finite():
+                    save_checkpoint(run_dir.checkpoints, step, trainer.checkpoint_state(),
+                                    device_type=trainer.backend.device_type)
+                elif log is not None:
+                    log(f"step {step}: weights are not finite; checkpoint not written")
+    finally:
+        if bar is not None:
+            bar.close()
+    return last

@@ -1,0 +1,146 @@
+"""Building what a run needs from its config, before anything is written: task, tokenizer, models, optimizers.
+
+Every user mistake that can be caught here is raised as ``BadInputError`` (unknown task or model preset,
+missing data file, a data row without its field), so ``polyrl run`` can exit 2 before it creates or
+touches the run directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from polyrl.core import algorithms as A
+from polyrl.core.config import RunConfig
+from polyrl.core.errors import BadInputError
+from polyrl.core.trainer.critic import ValueModel
+from polyrl.core.trainer.schedule import build_scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_task(cfg: RunConfig) -> Any:
+    from polyrl.core.tasks import get_task
+
+    params = dict(cfg.data.task_params)
+    if cfg.data.task == "math":
+        if cfg.data.path is None:
+            raise BadInputError("data.path: the math task needs a data file (parquet or jsonl)")
+        params.setdefault("path", cfg.data.path)
+        params.setdefault("prompt_key", cfg.data.prompt_key)
+        params.setdefault("answer_key", cfg.data.answer_key)
+        params.setdefault("max_response_tokens", cfg.rollout.max_response_length)
+    return get_task(cfg.data.task, **params)
+
+
+def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
+    symbols = task.vocab()
+    if symbols and cfg.model.tokenizer is None:
+        from polyrl.core.tokenizer import build_tiny_tokenizer
+
+        return build_tiny_tokenizer(symbols)
+    source = cfg.model.tokenizer or cfg.model.name
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise BadInputError(f"model.tokenizer: cannot load a tokenizer from {source!r} ({exc})") from None
+
+
+def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int) -> torch.nn.Module:
+    from polyrl.core.models import build_model
+
+    try:
+        return build_model(
+            name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
+            dtype=_DTYPES[cfg.model.dtype], overrides=overrides, seed=seed,
+        )
+    except ValueError as exc:  # unknown preset / config field: the recipe's fault
+        raise BadInputError(f"model: {exc}") from None
+
+
+@dataclasses.dataclass
+class Models:
+    actor: torch.nn.Module
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    critic_optimizer: torch.optim.Optimizer | None
+    critic_scheduler: Any
+
+
+def _optimizer(params, cfg: RunConfig, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    o = cfg.optimizer
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=weight_decay)
+
+
+def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: torch.device) -> Models:
+    """Actor (+ frozen reference when a KL term is on, + critic for GAE), sharded when distributed.
+
+    ``vocab_size``: the tiny tokenizer's size for synthetic tasks (embeddings sized to it), else None.
+    """
+    from polyrl.core.sharding import apply_sharding
+
+    seed = cfg.trainer.seed
+    vocab = vocab_size
+    actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed).to(device)
+    alg = cfg.algorithm
+    ref = None
+    if alg.use_kl_in_reward or alg.use_kl_loss:
+        ref = copy.deepcopy(actor).eval().requires_grad_(False)
+    critic = None
+    if alg.adv_estimator == "gae":
+        name = cfg.model.critic_name or cfg.model.name
+        overrides = {**cfg.model.overrides, **cfg.model.critic_overrides}
+        critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1)).to(device)
+    actor = apply_sharding(actor, backend)
+    if ref is not None:
+        ref = apply_sharding(ref, backend)
+    if critic is not None:
+        critic = apply_sharding(critic, backend)
+    o = cfg.optimizer
+    sched_kw = dict(warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps, schedule=o.schedule,
+                    min_lr_ratio=o.min_lr_ratio)
+    optimizer = _optimizer(actor.parameters(), cfg, o.lr, o.weight_decay)
+    critic_opt = _optimizer(critic.parameters(), cfg, o.critic_lr, o.critic_weight_decay) if critic else None
+    return Models(
+        actor=actor, ref=ref, critic=critic, optimizer=optimizer, scheduler=build_scheduler(optimizer, **sched_kw),
+        critic_optimizer=critic_opt, critic_scheduler=build_scheduler(critic_opt, **sched_kw) if critic_opt else None,
+    )
+
+
+def build_kl_controller(cfg: RunConfig) -> Any:
+    alg = cfg.algorithm
+    if not alg.use_kl_in_reward:
+        return None
+    if alg.kl_ctrl == "adaptive":
+        return A.AdaptiveKLController(alg.kl_coef, alg.kl_target, alg.kl_horizon)
+    return A.FixedKLController(alg.kl_coef)
+
+
+def check_config(cfg: RunConfig) -> None:
+    """Cross-field checks the per-field types cannot express."""
+    alg, ro = cfg.algorithm, cfg.rollout
+    if alg.clip_c is not None and alg.clip_c <= 1.0:
+        raise BadInputError(f"algorithm.clip_c: expected a number > 1 (or null), got {alg.clip_c}")
+    if alg.overlong.enable and not 0 < alg.overlong.buffer_length <= ro.max_response_length:
+        raise BadInputError(
+            f"algorithm.overlong.buffer_length: expected 1..rollout.max_response_length "
+            f"({ro.max_response_length}), got {alg.overlong.buffer_length}"
+        )
+    if ro.temperature <= 0 or not 0 < ro.top_p <= 1:
+        raise BadInputError("rollout: temperature must be > 0 and top_p in (0, 1]")
+    for name, value in (("data.batch_size", cfg.data.batch_size), ("rollout.n", ro.n),
+                        ("algorithm.ppo_epochs", alg.ppo_epochs), ("algorithm.mini_batch_size", alg.mini_batch_size),
+                        ("rollout.max_response_length", ro.max_response_length),
+                        ("trainer.total_steps", cfg.trainer.total_steps)):
+        if value < 1:
+            raise BadInputError(f"{name}: expected an integer >= 1, got {value}")
+    if alg.adv_estimator == "grpo" and ro.n < 2:
+        raise BadInputError("rollout.n: grpo needs at least 2 samples per prompt")

@@ -1,0 +1,64 @@
+"""Everything mutable the loop owns besides models, optimizers and schedulers: the resumable state.
+
+``TrainerState.state_dict()`` is what a checkpoint stores under "trainer" (plain Python and tensors,
+loadable with ``weights_only=True``): the step, the prompt stream position (the task's rng and counters),
+the sampling generator, the KL controller and the counters the metrics report cumulatively.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import torch
+
+
+@dataclasses.dataclass
+class Counters:
+    nonfinite_skipped: int = 0  # updates skipped because loss or grad norm was not finite
+    nonfinite_in_row: int = 0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
+    groups_filtered: int = 0
+    gen_batches: int = 0
+    overlong_penalized: int = 0
+
+
+class TrainerState:
+    def __init__(self, seed: int, task: Any, kl_ctrl: Any) -> None:
+        self.step = 0  # training steps completed
+        self.task = task
+        self.task_rng = random.Random(seed)
+        self.sample_gen = torch.Generator().manual_seed(seed + 1)
+        self.shuffle_gen = torch.Generator().manual_seed(seed + 2)
+        self.kl_ctrl = kl_ctrl
+        self.counters = Counters()
+
+    def _task_state(self) -> dict[str, Any]:
+        # Tasks keep a group counter and (math) an epoch order/cursor: saved when present.
+        return {k: getattr(self.task, k) for k in ("_next_group", "_cursor", "_order") if hasattr(self.task, k)}
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.task_rng.getstate()
+        return {
+            "step": self.step,
+            "task_rng": [version, list(internal), gauss],
+            "task": self._task_state(),
+            "sample_gen": self.sample_gen.get_state(),
+            "shuffle_gen": self.shuffle_gen.get_state(),
+            "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else {},
+            "counters": dataclasses.asdict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        version, internal, gauss = state["task_rng"]
+        self.task_rng.setstate((version, tuple(internal), gauss))
+        for k, v in state.get("task", {}).items():
+            setattr(self.task, k, v)
+        self.sample_gen.set_state(state["sample_gen"])
+        self.shuffle_gen.set_state(state["shuffle_gen"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl"):
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.counters = Counters(**state["counters"])
