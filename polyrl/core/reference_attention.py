@@ -48,9 +48,9 @@ def _tile_mask(qs: int, qe: int, ks: int, ke: int, doc_ids: torch.Tensor, window
     return allowed
 
 
-def _scores(qb: torch.Tensor, kb: torch.Tensor, scale: float, mask: torch.Tensor | None, groups: int) -> torch.Tensor:
-    """Scaled logits of a tile, masked with -inf: [Hkv, G * n, m]. qb [Hkv, G*n, D], kb [Hkv, m, D]."""
-    s = torch.bmm(qb, kb.transpose(1, 2)).mul_(scale)
+def _scores(qb: torch.Tensor, kb: torch.Tensor, mask: torch.Tensor | None, groups: int) -> torch.Tensor:
+    """Logits of a tile, masked with -inf: [Hkv, G * n, m]. qb [Hkv, G*n, D] (already scaled), kb [Hkv, m, D]."""
+    s = torch.bmm(qb, kb.transpose(1, 2))
     if mask is not None:
         hkv, gn, m = s.shape
         s.view(hkv, groups, gn // groups, m).masked_fill_(~mask, float("-inf"))
@@ -85,18 +85,18 @@ def _forward(q, k, v, cu, doc_ids, scale, window, sinks):
     for qs in range(0, t, BLOCK_Q):
         qe = min(qs + BLOCK_Q, t)
         n = qe - qs
-        qb = _heads_major(q[qs:qe], hkv)  # [Hkv, G*n, D]
+        qb = _heads_major(q[qs:qe], hkv) * scale  # [Hkv, G*n, D], scale folded into q
         m_i = torch.full((hkv, g * n), float("-inf"), device=q.device)
         l_i = torch.zeros(hkv, g * n, device=q.device)
         acc = torch.zeros(hkv, g * n, dv, device=q.device)
         lo, hi = _key_range(qs, qe, cu, window)
         for ks in range(lo, hi, BLOCK_K):
             ke = min(ks + BLOCK_K, hi)
-            s = _scores(qb, kf[:, ks:ke], scale, _tile_mask(qs, qe, ks, ke, doc_ids, window), g)
+            s = _scores(qb, kf[:, ks:ke], _tile_mask(qs, qe, ks, ke, doc_ids, window), g)
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             # Rows that have seen no allowed key yet keep m = -inf; shift them by 0 so exp gives 0, not NaN.
             m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-            p = torch.exp(s - m_safe[..., None])
+            p = s.sub_(m_safe[..., None]).exp_()
             alpha = torch.exp(m_i - m_safe)
             l_i = l_i * alpha + p.sum(dim=-1)
             acc = acc * alpha[..., None] + torch.bmm(p, vf[:, ks:ke])
@@ -123,7 +123,7 @@ def _backward(q, k, v, cu, doc_ids, scale, window, out, lse_all, d_out, need_dq,
     vf = v.float().transpose(0, 1)
     for qs in range(0, t, BLOCK_Q):
         qe = min(qs + BLOCK_Q, t)
-        qb = _heads_major(q[qs:qe], hkv)  # [Hkv, G*n, D]
+        qb = _heads_major(q[qs:qe], hkv) * scale  # [Hkv, G*n, D], scale folded into q
         dob = _heads_major(d_out[qs:qe], hkv)  # [Hkv, G*n, Dv]
         lse = _heads_major(lse_all[qs:qe, :, None], hkv)  # [Hkv, G*n, 1]
         delta = _heads_major(delta_all[qs:qe, :, None], hkv)
@@ -132,7 +132,7 @@ def _backward(q, k, v, cu, doc_ids, scale, window, out, lse_all, d_out, need_dq,
         for ks in range(lo, hi, BLOCK_K):
             ke = min(ks + BLOCK_K, hi)
             kb, vb = kf[:, ks:ke], vf[:, ks:ke]
-            s = _scores(qb, kb, scale, _tile_mask(qs, qe, ks, ke, doc_ids, window), g)
+            s = _scores(qb, kb, _tile_mask(qs, qe, ks, ke, doc_ids, window), g)
             p = torch.exp(s.sub_(lse))  # P' (masked entries: exp(-inf) = 0)
             if need_dv:
                 dvv[:, ks:ke] += torch.bmm(p.transpose(1, 2), dob)
@@ -140,7 +140,7 @@ def _backward(q, k, v, cu, doc_ids, scale, window, out, lse_all, d_out, need_dq,
             if need_dq:
                 dqb.baddbmm_(ds, kb, alpha=scale)
             if need_dk:
-                dk[:, ks:ke].baddbmm_(ds.transpose(1, 2), qb, alpha=scale)
+                dk[:, ks:ke].baddbmm_(ds.transpose(1, 2), qb)  # qb carries the scale
         if need_dq:
             dq[qs:qe] = _tokens_major(dqb, hq)
     return dq, dk.transpose(0, 1), dvv.transpose(0, 1), delta_all
