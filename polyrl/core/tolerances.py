@@ -86,3 +86,11 @@ def check_close(
 # N-process FSDP2 (gloo, fp32) vs the 1-process run on the same global batch: only the order of the
 # gradient reduction and of the global-norm sum differs (measured ~5e-8 relative on the toy loop).
 TOLERANCES[("distributed.loss", "float32")] = 1e-5
+
+# --- parity harness (polyrl/testing/parity.py, `polyrl parity --level model`) -----------------------------
+# Per-token logprobs of the tiny presets on a backend vs the CPU fp32 reference, packed documents.
+# fp32: same math, different kernel — accumulation order only. bf16: the whole model runs in bf16 on the
+# accelerator (weights, activations), so the error is dominated by bf16 matmuls, not by attention; the bar is
+# provisional until measured on GPU/NPU hardware.
+TOLERANCES[("model.logprobs", "float32")] = 1e-5
+TOLERANCES[("model.logprobs", "bfloat16")] = 3e-2
