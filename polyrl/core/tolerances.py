@@ -40,6 +40,9 @@ TOLERANCES: dict[tuple[str, str], float] = {
     ("algorithms.logprobs_grad", "float32"): 1e-5,
     # bf16 logits get a bf16 gradient: its final rounding dominates (~2e-3 relative rms).
     ("algorithms.logprobs_grad", "bfloat16"): 6e-3,
+    # --- trainer/rollout helper: the hf engine's sampling logprobs (KV cache, left padding) vs the trainer's
+    # packed recompute / a full forward of each sequence alone. Same fp32 math, different kernels/order.
+    ("rollout.logprobs", "float32"): 1e-5,
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,22 @@ from polyrl.core.config.validate import build_dataclass
 from polyrl.core.errors import BadInputError
 
 PACKAGED_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string (it wants ``1.0e-3``); recipes write learning rates that way,
+    so floats in exponent form without a dot are resolved as floats too."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 def packaged_recipes() -> list[str]:
@@ -66,7 +83,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise BadInputError(f"cannot read recipe {str(path)!r}: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        data = _yaml_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -113,7 +130,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise BadInputError(f"bad override {text!r}: expected key.path=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw  # not YAML: keep the text (a string field will take it, a typed one will refuse it)
     return key.split("."), value

@@ -100,6 +100,7 @@ def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
         rows = list(range(len(part["prompts"])))
         if not ds.enable:
             kept.append(_select(part, rows))
+            kept_groups = target
             break
         metric = part["raw"] >= 1.0 if ds.metric == "acc" else part["shaped"]
         keep = A.filter_groups(metric.float(), part["group_ids"]).tolist()
