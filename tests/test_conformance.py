@@ -70,7 +70,9 @@ def test_window_off_by_one_fails():
 def test_gradient_bug_with_exact_forward_fails():
     report = run_conformance(GradDoublingBackend())
     kernel_checks = [c for c in report.checks if "varlen_attention" in c.name]
-    assert kernel_checks and all(c.status == FAIL for c in kernel_checks)
+    # Window 1 without sinks has dq == 0 exactly, so doubling it is invisible there; everywhere else it shows.
+    visible = [c for c in kernel_checks if not ("window=1 " in c.name and "sinks=False" in c.name)]
+    assert len(visible) == 10 and all(c.status == FAIL for c in visible)
 
 
 def test_unavailable_backend_is_not_run_never_passed():

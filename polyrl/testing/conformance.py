@@ -79,11 +79,8 @@ def _declaration_checks(backend: Backend) -> list[Check]:
 def _attention_checks(backend: Backend, dtype_name: str) -> list[Check]:
     import torch
 
-    from polyrl.core.attention import varlen_attention
-    from polyrl.core.tolerances import check_close
+    from polyrl.testing.parity import compare_attention_results, run_attention_case
 
-    dtype = getattr(torch, dtype_name)
-    device = backend.device(0)
     checks = []
     gen = torch.Generator().manual_seed(0)
     for window, use_sinks, ratio in itertools.product(*ATTENTION_GRID.values()):
@@ -94,29 +91,17 @@ def _attention_checks(backend: Backend, dtype_name: str) -> list[Check]:
         q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
         sinks = torch.randn(hq, generator=gen) if use_sinks else None
         dout = torch.randn(t, hq, d, generator=gen)
-        results = {}
-        for name, dev, dt in (("ref", torch.device("cpu"), torch.float32), ("dut", device, dtype)):
-            # detach().clone(): .to() returns the same tensor when nothing changes, and the two runs must
-            # not share leaves (they would then compare one .grad with itself).
-            leaves = [x.detach().to(dev, dt).clone().requires_grad_() for x in (q, k, v)]
-            s = sinks.detach().to(dev).clone().requires_grad_() if sinks is not None else None
-            out = varlen_attention(*leaves, cu.to(dev), window=window, sinks=s,
-                                   backend="cpu" if name == "ref" else backend)
-            out.backward(dout.to(dev, dt))
-            grads = [x.grad for x in leaves] + ([s.grad] if s is not None else [])
-            results[name] = [out.float().cpu()] + [None if g is None else g.float().cpu() for g in grads]
+        dut, ref = run_attention_case(backend, q, k, v, cu, sinks, dout, window, dtype_name)
         label = f"varlen_attention window={window} sinks={use_sinks} gqa={ratio} {dtype_name}"
-        missing = [n for n, g in zip(("dq", "dk", "dv", "dsinks"), results["dut"][1:]) if g is None]
+        compared = compare_attention_results(dut, ref, dtype_name, window, use_sinks)
+        missing = [what for what, err, _, _ in compared if err is None]
         if missing:
             checks.append(Check(label, FAIL, f"no gradient reached {', '.join(missing)}"))
             continue
-        errs = []
-        ok = True
-        for i, (a, e) in enumerate(zip(results["dut"], results["ref"])):
-            err, bar, passed = check_close("attention.forward" if i == 0 else "attention.grad", a, e, dtype)
-            errs.append(f"{err:.1e}")
-            ok = ok and passed
-        checks.append(Check(label, PASS if ok else FAIL, f"rel err out/dq/dk/dv[/ds] = {'/'.join(errs)} (bar {bar:.0e})"))
+        errs = "/".join(f"{err:.1e}" for _, err, _, _ in compared)
+        ok = all(ok for *_, ok in compared)
+        checks.append(Check(label, PASS if ok else FAIL,
+                            f"rel err out/dq/dk/dv[/ds] = {errs} (bar {compared[-1][2]:.0e})"))
     return checks
 
 
