@@ -99,11 +99,14 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
     out = Path(D.broadcast_object(str(out)))
     run_dir = RunDir(out, is_main=D.is_main_process())
-    resumed = None
-    if run_dir.checkpoints.is_dir():
-        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(),
-                                         device_type=backend.device_type)
+    # Collective on every rank, unconditionally: rank 0 decides (a missing directory means a fresh run)
+    # and broadcasts; a per-rank is_dir() test races with rank 0 creating the directory and deadlocks.
+    resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(),
+                                     device_type=backend.device_type)
     run_dir.open(config_yaml, resume_step=resumed)
+    from polyrl.core.export import save_model_metadata
+
+    save_model_metadata(run_dir.checkpoints, trainer.models.actor, trainer.tokenizer)  # for `polyrl export`
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
     if resumed is not None:
         say(f"resuming {out} from step {resumed}")

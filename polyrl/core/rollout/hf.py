@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from polyrl.core import distributed as D
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
 
 
@@ -47,19 +48,31 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None = None,
+        row_seeds: list[int] | None = None,
     ) -> RolloutOutput:
+        """``row_seeds`` (one per prompt): each row samples from its own generator, so a row's response does
+        not depend on which rows share its batch or its rank (N-process runs sample what 1 process does)."""
         chunk = params.micro_batch_size or len(prompts)
         out = RolloutOutput([], [], [])
         for start in range(0, len(prompts), chunk):
-            part = self._generate_batch(prompts[start : start + chunk], params, generator)
+            seeds = row_seeds[start : start + chunk] if row_seeds is not None else None
+            part = self._generate_batch(prompts[start : start + chunk], params, generator, seeds)
             out.response_ids += part.response_ids
             out.logprobs += part.logprobs
             out.finish_reasons += part.finish_reasons
         return out
 
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        seeds: list[int] | None = None,
     ) -> RolloutOutput:
         from transformers import DynamicCache
 
@@ -76,6 +89,7 @@ class HFEngine:
             mask[i, S - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]: 0 at each row's first real token
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
+        row_gens = [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds is not None else None
 
         was_training = model.training
         model.eval()
@@ -94,14 +108,17 @@ class HFEngine:
                 logits = logits / params.temperature
                 logp_all = torch.log_softmax(logits, dim=-1)
                 probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                if row_gens is None:
+                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
+                else:
+                    nxt = _sample_rows(probs, row_gens)
                 nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens[:, t] = nxt
                 logps[:, t] = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
                 hit = ~done & torch.isin(nxt, stop) if stop.numel() else torch.zeros_like(done)
                 lengths = torch.where(hit, torch.full_like(lengths, t + 1), lengths)
                 done = done | hit
-                if bool(done.all()):
+                if _all_ranks_done(done):
                     break
                 step_ids = nxt[:, None]
                 step_pos = step_pos[:, -1:] + 1
@@ -118,3 +135,19 @@ class HFEngine:
             logprobs=[lp_l[i][: lengths_l[i]] for i in range(B)],
             finish_reasons=["stop" if done_l[i] else "length" for i in range(B)],
         )
+
+
+def _sample_rows(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """One token per row of ``probs`` [B, V], each row drawing its uniform from its own generator
+    (inverse CDF; ``right=True`` never lands on a zero-probability token)."""
+    u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in gens])  # [B]
+    cdf = probs.cumsum(-1)
+    nxt = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return nxt.clamp(max=probs.shape[-1] - 1)
+
+
+def _all_ranks_done(done: torch.Tensor) -> bool:
+    """Stop decoding only when every rank's rows are done: under FSDP each forward is a collective, so
+    all ranks must run the same number of decode steps."""
+    flag = done.all().to(torch.float32)
+    return bool(D.all_reduce_(flag, "min").item() == 1.0)

@@ -47,8 +47,19 @@ def decode_response(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list) -> dict[str, Any]:
-    """One generation batch on this rank: per sequence prompt, response, logprobs, group, score."""
+def _row_seeds(gen: torch.Generator, first_row: int, count: int) -> list[int]:
+    """Per-sequence sampling seeds from one draw of the shared generator (identical on every rank) and
+    the sequence's index in the global batch: the same sequence gets the same seed whatever the rank
+    count, so an N-process run samples exactly what the 1-process run samples."""
+    base = int(torch.randint(0, 2**62, (1,), generator=gen))
+    return [(base ^ ((first_row + i + 1) * 0x9E3779B97F4A7C15)) & (2**63 - 1) for i in range(count)]
+
+
+def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list, first_row: int = 0) -> dict[str, Any]:
+    """One generation batch on this rank: per sequence prompt, response, logprobs, group, score.
+
+    ``first_row``: global index of this rank's first sequence (for the per-sequence sampling seeds).
+    """
     tok, n = ctx.tokenizer, cfg.rollout.n
     prompts = []
     truncated = 0
@@ -59,7 +70,8 @@ def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list) -> dict[str, A
         prompts.append(ids)
     seq_prompts = [p for p in prompts for _ in range(n)]
     seq_examples = [ex for ex in examples for _ in range(n)]
-    out = ctx.engine.generate(seq_prompts, ctx.sampling, generator=ctx.state.sample_gen)
+    seeds = _row_seeds(ctx.state.sample_gen, first_row, len(seq_prompts))
+    out = ctx.engine.generate(seq_prompts, ctx.sampling, generator=ctx.state.sample_gen, row_seeds=seeds)
     stop = set(ctx.sampling.stop_token_ids)
     texts = [decode_response(tok, r, stop) for r in out.response_ids]
     raw, stats = score_batch(ctx.task, seq_examples, texts, timeout_s=cfg.data.reward_timeout_s)
@@ -94,7 +106,7 @@ def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
     t0 = time.perf_counter()
     while True:
         examples = D.shard_for_rank(ctx.task.sample(target, ctx.state.task_rng))
-        part = _generate_and_score(cfg, ctx, examples)
+        part = _generate_and_score(cfg, ctx, examples, first_row=D.rank_slice(target).start * cfg.rollout.n)
         seen.append(part)
         gen_batches += 1
         rows = list(range(len(part["prompts"])))

@@ -79,6 +79,10 @@ def _run_epochs(
             sums["grad_norm"] += _step_or_skip(loss_total, params, optimizer, cfg, counters, what)
             sums["loss"] += loss_total
             n_updates += 1
+    # Token-share-weighted metrics are this rank's share of the global value: sum them over ranks here
+    # (grad_norm and loss are already global), so every rank returns the global numbers.
+    shares = D.all_reduce_metrics({k: v for k, v in sums.items() if k not in ("grad_norm", "loss")}, op="sum")
+    sums.update(shares)
     return {k: v / max(1, n_updates) for k, v in sums.items()}
 
 
