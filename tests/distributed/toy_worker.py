@@ -5,9 +5,7 @@ the pieces the trainer wires together: each step draws the global batch of 8 row
 RNG (so resuming must restore RNG state), trains on this rank's slice with a global token-mean loss,
 clips, steps AdamW + an LR schedule, appends one line to RUN_DIR/metrics.jsonl (rank 0) and checkpoints
 every SAVE_EVERY steps. Rerunning the same command resumes from the newest complete checkpoint and
-first drops metric lines past it. ``TOY_STEP_SLEEP_S`` slows each step so a test can kill it mid-step. ``TOY_MODEL=gpt_oss_tiny`` trains
-the tiny GPT-OSS preset instead (MoE experts, sinks, FSDP2 per decoder layer), writes the HF metadata
-for export, and saves the final logits of a probe batch to RUN_DIR/probe_logits.pt.
+first drops metric lines past it. ``TOY_STEP_SLEEP_S`` slows each step so a test can kill it mid-step.
 """
 
 from __future__ import annotations
@@ -68,17 +66,7 @@ def main() -> None:
     ctx = D.init_distributed(backend)
     torch.manual_seed(0)  # same init and same global batches on every rank
     vocab = 16
-    if os.environ.get("TOY_MODEL") == "gpt_oss_tiny":
-        from polyrl.core.export import save_model_metadata
-        from polyrl.core.models import build_model
-        from polyrl.core.tokenizer import build_tiny_tokenizer
-
-        tokenizer = build_tiny_tokenizer()
-        vocab = len(tokenizer)
-        net = build_model("gpt_oss_tiny", vocab_size=vocab, seed=0)
-        save_model_metadata(run_dir / "checkpoints", net, tokenizer)
-    else:
-        net = Toy()
+    net = Toy()
     model = apply_sharding(net, backend)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
@@ -114,11 +102,6 @@ def main() -> None:
                 )
         if progress.step % save_every == 0:
             C.save_checkpoint(run_dir / "checkpoints", progress.step, state, keep=2)
-    if os.environ.get("TOY_MODEL"):
-        with torch.no_grad():  # every rank joins the forward: FSDP gathers layers collectively
-            probe = _logits(model, torch.arange(12).remainder(vocab).reshape(2, 6))
-        if ctx.is_main:
-            torch.save(probe, run_dir / "probe_logits.pt")
     D.shutdown_distributed()
 
 

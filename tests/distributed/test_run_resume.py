@@ -1,0 +1,119 @@
+"""Issue 6 "done when", on the real trainer: ``polyrl run`` of the tiny GPT-OSS DAPO recipe (scaled down
+further so each run takes seconds), on 1 and 2 gloo processes, killed with SIGKILL and restarted with the
+same command, resumed across process counts, and exported.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_procs import child_env, read_metrics, run_and_kill, run_to_end
+
+from polyrl.core import checkpoint as C
+from polyrl.core.tolerances import tolerance
+
+pytestmark = pytest.mark.distributed
+
+TOTAL, SAVE_EVERY = 6, 2
+# A global batch of 4 prompts x 4 samples, one mini-batch (so its composition does not depend on how
+# the rows are split over ranks), no dynamic sampling, one thread per process.
+SMALL = [
+    "data.batch_size=4", "rollout.n=4", "algorithm.mini_batch_size=16", "algorithm.ppo_epochs=1",
+    "algorithm.dynamic_sampling.enable=false", "trainer.num_threads=1", f"trainer.save_every={SAVE_EVERY}",
+]  # fmt: skip
+# ppo_kl / clip fractions are ~0 on the first epoch (rounding noise only): not compared relatively.
+COMPARED = ("reward/mean", "response/length_mean", "loss/policy", "loss/total", "actor/grad_norm")
+
+
+def run_cmd(out: Path, total: int = TOTAL, nproc: int = 1) -> list[str]:
+    return [sys.executable, "-m", "polyrl", "run", "gpt_oss_dapo_tiny.yaml", "--output", str(out), "--no-progress",
+            "--nproc", str(nproc), f"trainer.total_steps={total}", *SMALL]  # fmt: skip
+
+
+def without_time(metrics: list[dict]) -> list[dict]:
+    return [{k: v for k, v in m.items() if not k.startswith("time/")} for m in metrics]
+
+
+def assert_close(a: list[dict], b: list[dict]) -> None:
+    tol = tolerance("distributed.loss", "float32")
+    assert [m["step"] for m in a] == [m["step"] for m in b]
+    for x, y in zip(a, b):
+        for key in COMPARED:
+            assert abs(x[key] - y[key]) <= tol * max(abs(y[key]), 1e-3), (x["step"], key, x[key], y[key])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """An uninterrupted 1-process run of TOTAL steps."""
+    out = tmp_path_factory.mktemp("ref")
+    run_to_end(run_cmd(out))
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == list(range(1, TOTAL + 1))
+    assert len({m["reward/mean"] for m in metrics}) > 1  # it is really sampling and learning
+    return metrics
+
+
+@pytest.fixture(scope="module")
+def two_proc(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 steps on 2 processes (checkpoints at 2 and at the end, 3)."""
+    out = tmp_path_factory.mktemp("two")
+    run_to_end(run_cmd(out, total=3, nproc=2))
+    return out
+
+
+def test_two_processes_give_the_one_process_trajectory(reference: list[dict], two_proc: Path) -> None:
+    assert_close(read_metrics(two_proc), reference[:3])
+    assert len(list((two_proc / "checkpoints" / "step_00000003").glob("*.distcp"))) == 2
+
+
+def test_two_process_checkpoint_resumes_with_one_process(reference: list[dict], two_proc: Path) -> None:
+    run_to_end(run_cmd(two_proc, total=TOTAL, nproc=1))
+    assert_close(read_metrics(two_proc), reference)
+
+
+def test_sigkill_mid_step_then_same_command_is_identical(reference: list[dict], tmp_path: Path) -> None:
+    cmd = run_cmd(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+
+    def after_step_3() -> bool:  # step 3 logged: the kill lands inside step 4 (rollout or update)
+        return metrics.exists() and len(metrics.read_text().splitlines()) >= 3
+
+    run_and_kill(cmd, after_step_3, child_env())
+    assert C.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
+    run_to_end(cmd)
+    assert without_time(read_metrics(tmp_path)) == without_time(reference)  # bit-identical
+
+
+def test_sigkill_while_writing_a_checkpoint_never_loads_it(reference: list[dict], tmp_path: Path) -> None:
+    cmd = run_cmd(tmp_path)
+    partial = tmp_path / "checkpoints" / "step_00000004.tmp"
+    env = child_env(POLYRL_TEST_CHECKPOINT_DELAY_S="60", POLYRL_TEST_CHECKPOINT_DELAY_STEP="4")
+    run_and_kill(cmd, lambda: (partial / "extra" / "rank_0.pt").exists(), env)
+    assert partial.is_dir() and not (tmp_path / "checkpoints" / "step_00000004").exists()
+    assert C.latest_checkpoint(tmp_path / "checkpoints").name == "step_00000002"
+    run_to_end(cmd)
+    assert without_time(read_metrics(tmp_path)) == without_time(reference)
+    assert not partial.exists()
+
+
+def test_exported_model_gives_the_trainers_logits(reference: list[dict], two_proc: Path, tmp_path: Path) -> None:
+    """Export the final checkpoint of a run; its logits equal the trainer's model loaded from the same
+    checkpoint (polyrl attention in the trainer, transformers' default after from_pretrained)."""
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.cli import main as cli_main
+    from polyrl.core.models import build_model
+
+    assert cli_main(["export", str(two_proc), str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    trainer_model = build_model("gpt_oss_tiny", vocab_size=exported.config.vocab_size).eval()
+    C.load_model_weights(C.latest_checkpoint(two_proc / "checkpoints"), trainer_model)
+    ids = torch.arange(3, 15).remainder(exported.config.vocab_size).reshape(2, 6)
+    with torch.no_grad():
+        expected, got = trainer_model(ids).logits, exported(ids).logits
+    err = ((got - expected).norm() / expected.norm()).item()
+    assert err <= tolerance("model.logits", "float32"), err
+    assert not torch.equal(expected, build_model("gpt_oss_tiny", vocab_size=exported.config.vocab_size)(ids).logits)
