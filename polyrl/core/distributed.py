@@ -165,12 +165,27 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if not is_distributed():
         return tensor
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    work = _on_comm_device(tensor)
     if op == "avg":
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor.div_(dist.get_world_size())
+        dist.all_reduce(work, op=dist.ReduceOp.SUM)
+        work.div_(dist.get_world_size())
     else:
-        dist.all_reduce(tensor, op=ops[op])
+        dist.all_reduce(work, op=ops[op])
+    if work is not tensor:
+        tensor.copy_(work)
     return tensor
+
+
+def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the accelerator when the collective library cannot reduce host tensors (nccl, hccl);
+    the tensor itself under gloo. Callers keep passing CPU scalars whatever the backend."""
+    import torch
+    import torch.distributed as dist
+
+    if tensor.device.type != "cpu" or dist.get_backend() == "gloo":
+        return tensor
+    accelerator = torch.accelerator.current_accelerator()
+    return tensor.to(accelerator) if accelerator is not None else tensor
 
 
 def all_reduce_metrics(

@@ -61,7 +61,26 @@ def micro_batches(lengths: Sequence[int], rows: Sequence[int], max_tokens: int) 
         used += n
     if cur:
         out.append(cur)
-    return out
+    return _same_count_on_every_rank(out)
+
+
+def _same_count_on_every_rank(parts: list[list[int]]) -> list[list[int]]:
+    """Under FSDP every forward and backward is a collective, so every rank must run the same number of
+    micro-batches: split this rank's largest ones until it has the global maximum (ranks hold equal row
+    counts, so there are always enough rows). Identity in a single process."""
+    from polyrl.core import distributed as D
+
+    if not D.is_distributed():
+        return parts
+    target = int(D.all_reduce_(torch.tensor(float(len(parts))), "max").item())
+    parts = [list(p) for p in parts]
+    while len(parts) < target:
+        i = max(range(len(parts)), key=lambda j: len(parts[j]))
+        if len(parts[i]) < 2:
+            raise RuntimeError(f"cannot split {sum(map(len, parts))} rows into {target} micro-batches")
+        half = len(parts[i]) // 2
+        parts[i : i + 1] = [parts[i][:half], parts[i][half:]]
+    return parts
 
 
 def _layout(batch: SequenceBatch, rows: Sequence[int], packed: bool, pad_id: int, device: torch.device):
