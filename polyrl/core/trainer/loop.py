@@ -60,7 +60,7 @@ class Trainer:
         self.packed = cfg.model.attn_implementation == "polyrl"
         self.engine = build_engine(cfg.rollout.engine, self.models.actor, pad_token_id=self.pad_id)
         self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
-        self.state = TrainerState(cfg.trainer.seed, self.task, build_kl_controller(cfg))
+        self.state = TrainerState(cfg.trainer.seed, self.task, build_kl_controller(cfg), self.device)
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:

@@ -26,11 +26,12 @@ class Counters:
 
 
 class TrainerState:
-    def __init__(self, seed: int, task: Any, kl_ctrl: Any) -> None:
+    def __init__(self, seed: int, task: Any, kl_ctrl: Any, device: Any = "cpu") -> None:
         self.step = 0  # training steps completed
         self.task = task
         self.task_rng = random.Random(seed)
-        self.sample_gen = torch.Generator().manual_seed(seed + 1)
+        # sampling runs where the model is; shuffling mini-batch indices stays on the CPU
+        self.sample_gen = torch.Generator(device=device).manual_seed(seed + 1)
         self.shuffle_gen = torch.Generator().manual_seed(seed + 2)
         self.kl_ctrl = kl_ctrl
         self.counters = Counters()

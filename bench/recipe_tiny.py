@@ -1,0 +1,123 @@
+"""The main job as a new user runs it: ``polyrl run recipes/<tiny>.yaml --seed S`` through the CLI.
+
+For each tiny recipe and seed: wall time of the whole command (start-up included), mean reward of the
+first and last 10 steps, and for PPO the value loss of the first and last 10 steps. The bar (issue 5):
+finished within 90 s on 2 CPU cores, last-10 reward >= 0.9 and >= first-10 + 0.5; PPO's value loss falls.
+
+    python bench/recipe_tiny.py                      # both recipes, seeds 0 1 2, one after the other
+    python bench/recipe_tiny.py --jobs 3             # several at once, each pinned to its own 2 cores
+                                                     # (taskset; for a bigger machine emulating 2 cores)
+
+Prints a table and writes bench/results/recipe_tiny.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RECIPES = ("gpt_oss_dapo_tiny", "deepseek_ppo_tiny")
+BAR_WALL_S, BAR_LAST, BAR_GAIN = 90.0, 0.9, 0.5
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _summarise(recipe: str, seed: int, wall: float, rc: int, run_dir: Path, tail: str) -> dict:
+    rows = []
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists():
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    reward = [r["reward/mean"] for r in rows]
+    vloss = [r["loss/value"] for r in rows if "loss/value" in r]
+    res = {
+        "recipe": recipe, "seed": seed, "rc": rc, "wall_s": round(wall, 1), "steps": len(rows),
+        "reward_first10": _mean(reward[:10]), "reward_last10": _mean(reward[-10:]),
+        "value_loss_first10": _mean(vloss[:10]), "value_loss_last10": _mean(vloss[-10:]),
+        "median_step_s": sorted(r["time/step_s"] for r in rows)[len(rows) // 2] if rows else None,
+    }
+    ok = rc == 0 and res["reward_last10"] is not None and wall <= BAR_WALL_S
+    ok = ok and res["reward_last10"] >= BAR_LAST and res["reward_last10"] >= res["reward_first10"] + BAR_GAIN
+    if vloss:
+        ok = ok and res["value_loss_last10"] < res["value_loss_first10"]
+    res["meets_bar"] = bool(ok)
+    if rc != 0:
+        res["tail"] = tail[-800:]
+    return res
+
+
+def _start(recipe: str, seed: int, out: Path, cores: str | None, backend: str | None) -> tuple[subprocess.Popen, float]:
+    cmd = [sys.executable, "-m", "polyrl", "run", f"recipes/{recipe}.yaml", "--seed", str(seed),
+           "--output", str(out), "--no-progress"]
+    if backend:
+        cmd += ["--backend", backend]
+    env = dict(os.environ)
+    if cores is not None:
+        cmd = ["taskset", "-c", cores, *cmd]
+        env["OMP_NUM_THREADS"] = "2"
+    # from a scratch directory, as a new user would (the packaged recipe must resolve from anywhere)
+    return subprocess.Popen(cmd, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), time.time()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to 2 cores (needs taskset)")
+    ap.add_argument("--backend", default=None, help="e.g. cpu on a machine that also has an accelerator")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "recipe_tiny.json"))
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
+    queue = [(r, s) for r in args.recipes for s in args.seeds]
+    running: dict[int, tuple] = {}
+    results = []
+    while queue or running:
+        while queue and len(running) < args.jobs:
+            slot = next(i for i in range(args.jobs) if i not in running)
+            recipe, seed = queue.pop(0)
+            cores = f"{2 * slot},{2 * slot + 1}" if args.jobs > 1 else None
+            run_dir = work / f"{recipe}-s{seed}"
+            running[slot] = (recipe, seed, run_dir, *_start(recipe, seed, run_dir, cores, args.backend))
+        time.sleep(0.2)
+        for slot, (recipe, seed, run_dir, proc, t0) in list(running.items()):
+            if proc.poll() is None:
+                continue
+            wall = time.time() - t0
+            tail = proc.stdout.read().decode(errors="replace")
+            del running[slot]
+            res = _summarise(recipe, seed, wall, proc.returncode, run_dir, tail)
+            results.append(res)
+            print(json.dumps(res), flush=True)
+    shutil.rmtree(work, ignore_errors=True)
+    results.sort(key=lambda r: (r["recipe"], r["seed"]))
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    print(f"\n{'recipe':<20} {'seed':>4} {'wall s':>7} {'steps':>5} {'r first10':>9} {'r last10':>8} "
+          f"{'vloss first':>11} {'vloss last':>10}  bar (<= {BAR_WALL_S:.0f} s, >= {BAR_LAST}, +{BAR_GAIN})")
+    for r in results:
+        print(f"{r['recipe']:<20} {r['seed']:>4} {r['wall_s']:>7.1f} {r['steps']:>5} {fmt(r['reward_first10']):>9} "
+              f"{fmt(r['reward_last10']):>8} {fmt(r['value_loss_first10']):>11} {fmt(r['value_loss_last10']):>10}  "
+              f"{'MET' if r['meets_bar'] else 'not met'}")
+    report = {"host": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "backend": args.backend, "python": sys.version.split()[0],
+              "results": results}
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+    except ImportError:
+        pass
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0 if all(r["meets_bar"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
