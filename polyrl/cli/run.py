@@ -59,12 +59,6 @@ def main(args: argparse.Namespace) -> int:
     args = _split_remainder(args)
     from polyrl.core import distributed as D
 
-    if args.nproc > 1 and not D.under_torchrun():
-        from polyrl.core.launch import launch_torchrun, strip_nproc
-
-        argv = strip_nproc(sys.argv[1:])
-        return launch_torchrun(argv, args.nproc)
-
     from polyrl.core.config import dump_config, load_config
     from polyrl.core.selection import set_active_backend
 
@@ -85,7 +79,34 @@ def main(args: argparse.Namespace) -> int:
         build_task(cfg)  # the data file and its rows are validated too
         sys.stdout.write(config_yaml)
         return 0
+    if args.nproc > 1 and not D.under_torchrun():
+        return _launch(args, cfg, backend)
     return _train(args, cfg, backend, config_yaml)
+
+
+def _launch(args: argparse.Namespace, cfg, backend) -> int:
+    """Validate here, in the launcher, what can be validated without a process group (so bad input
+    still exits 2 with one line), then re-run this command as ``--nproc`` torchrun workers."""
+    from polyrl.core.errors import BadInputError
+    from polyrl.core.launch import launch_torchrun
+    from polyrl.core.sharding import check_sharding
+    from polyrl.core.trainer.setup import build_task, check_config
+
+    check_config(cfg)
+    build_task(cfg)
+    check_sharding(backend, args.nproc, None)
+    if cfg.data.batch_size % args.nproc:
+        raise BadInputError(
+            f"data.batch_size ({cfg.data.batch_size}) must be a multiple of --nproc ({args.nproc}): "
+            "each process takes an equal share of the prompts"
+        )
+    argv = ["run", args.recipe, *args.overrides]
+    for flag, value in (("--backend", args.backend), ("--output", args.output), ("--seed", args.seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.no_progress:
+        argv.append("--no-progress")
+    return launch_torchrun(argv, args.nproc)
 
 
 def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:

@@ -102,3 +102,13 @@ def test_launcher_command_strips_nproc() -> None:
     assert cmd[-6:] == ["-m", "polyrl", "run", "r.yaml", "--seed=3", "a.b=1"]
     with pytest.raises(BadInputError):
         torchrun_command(argv, 0)
+
+
+def test_run_nproc_refuses_bad_input_before_launching(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    from polyrl.cli import main as cli_main
+
+    out = tmp_path / "never"
+    assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "3", "--output", str(out)]) == 2
+    assert "multiple of --nproc" in capsys.readouterr().err
+    assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "2", "no.such=1", "--output", str(out)]) == 2
+    assert not out.exists()
