@@ -130,7 +130,11 @@ class Trainer:
                                                          alg.kl_kind)
             metrics["kl/reward_kl"], metrics["kl/coef"] = kl_m["kl"], kl_m["kl_coef"]
         returns = None
-        if alg.adv_estimator == "gae":
+        if alg.adv_estimator == "gae" and D.is_distributed():
+            # whitening statistics must be those of the global batch, not of this rank's share
+            advantages, returns = A.gae_advantages(token_rewards, values, mask, alg.gamma, alg.lam, whiten=False)
+            advantages = _whiten_over_ranks(advantages, mask)
+        elif alg.adv_estimator == "gae":
             advantages, returns = A.gae_advantages(token_rewards, values, mask, alg.gamma, alg.lam)
         else:
             seq = A.sequence_scores(token_rewards, mask)
@@ -159,6 +163,18 @@ class Trainer:
         mods = [self.models.actor] + ([self.models.critic] if self.models.critic is not None else [])
         ok = all(bool(torch.isfinite(p.detach()).all()) for mod in mods for p in mod.parameters())
         return bool(D.all_reduce_(torch.tensor(float(not ok)), "max").item() == 0.0)
+
+
+def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``A.masked_whiten`` over the whole batch across ranks: sum, sum of squares and count all-reduced
+    (fp64), unbiased variance, masked entries 0."""
+    m = mask.to(torch.float64)
+    v = values.to(torch.float64) * m
+    stats = D.all_reduce_(torch.stack([v.sum(), (v * v).sum(), m.sum()]))
+    total, total_sq, n = stats.tolist()
+    mean = total / max(n, 1.0)
+    var = max(total_sq / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
+    return ((values.float() - mean) * (var + eps) ** -0.5) * mask.to(values.dtype)
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
