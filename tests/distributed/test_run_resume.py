@@ -117,3 +117,20 @@ def test_exported_model_gives_the_trainers_logits(reference: list[dict], two_pro
     err = ((got - expected).norm() / expected.norm()).item()
     assert err <= tolerance("model.logits", "float32"), err
     assert not torch.equal(expected, build_model("gpt_oss_tiny", vocab_size=exported.config.vocab_size)(ids).logits)
+
+
+def test_ppo_with_critic_and_reference_on_two_processes_matches_one(tmp_path: Path) -> None:
+    """DeepSeek-V3 tiny PPO: actor, frozen reference and critic all sharded; GAE whitening is global."""
+
+    def cmd(out: Path, nproc: int) -> list[str]:
+        return [sys.executable, "-m", "polyrl", "run", "deepseek_ppo_tiny.yaml", "--output", str(out), "--no-progress",
+                "--nproc", str(nproc), "trainer.total_steps=2", *SMALL]  # fmt: skip
+
+    run_to_end(cmd(tmp_path / "one", 1))
+    run_to_end(cmd(tmp_path / "two", 2))
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    tol = tolerance("distributed.loss", "float32")
+    for x, y in zip(two, one):
+        for key in ("reward/mean", "actor/grad_norm", "critic/grad_norm", "loss/value"):
+            assert abs(x[key] - y[key]) <= tol * abs(y[key]), (x["step"], key, x[key], y[key])
+    assert len(two) == len(one) == 2
