@@ -58,7 +58,6 @@ def _recipe_name(spec: str) -> str:
 def main(args: argparse.Namespace) -> int:
     args = _split_remainder(args)
     from polyrl.core import distributed as D
-
     from polyrl.core.config import dump_config, load_config
     from polyrl.core.selection import set_active_backend
 
@@ -116,6 +115,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
 
     D.init_distributed(backend)
+    D.setup_rank_logging()  # "[rank R]" on polyrl log lines; below WARNING only rank 0 speaks
     trainer = Trainer(cfg, backend)  # last place bad input can surface: nothing written yet
     out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
     out = Path(D.broadcast_object(str(out)))
@@ -132,7 +132,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     if resumed is not None:
         say(f"resuming {out} from step {resumed}")
     try:
-        last = fit(trainer, run_dir, progress=not args.no_progress and sys.stderr.isatty() or _force_bar(), log=say)
+        last = fit(trainer, run_dir, progress=(not args.no_progress and sys.stderr.isatty()) or _force_bar(), log=say)
     except TrainingAborted as exc:
         say(f"error: {exc}")
         return 1
