@@ -11,8 +11,15 @@ Module-level imports stay light: ``polyrl backends`` imports this module to buil
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+# Same seed, same run on CPU: MKL/OpenMP may otherwise shrink their thread teams when the machine is busy,
+# which changes the order of floating-point reductions (seen as ~1e-9 drifts in logprobs under load).
+# Only effective when set before the math libraries start, i.e. for the `polyrl` process itself.
+os.environ.setdefault("MKL_DYNAMIC", "FALSE")
+os.environ.setdefault("OMP_DYNAMIC", "FALSE")
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -147,6 +154,4 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
 
 
 def _force_bar() -> bool:
-    import os
-
     return os.environ.get("POLYRL_PROGRESS", "") == "1"

@@ -114,17 +114,17 @@ def test_bad_overrides_name_the_key_and_the_expectation(override: str, message: 
 
 
 def test_unknown_key_and_wrong_type_in_a_file(tmp_path: Path) -> None:
-    with pytest.raises(BadInputError, match="unknown key 'rollout.temprature'"):
+    with pytest.raises(BadInputError, match=r"unknown key 'rollout\.temprature'"):
         load_config(_write(tmp_path / "a.yaml", {"rollout": {"temprature": 1.0}}))
-    with pytest.raises(BadInputError, match="data.batch_size: expected int, got str"):
+    with pytest.raises(BadInputError, match=r"data\.batch_size: expected int, got str"):
         load_config(_write(tmp_path / "b.yaml", {"data": {"batch_size": "many"}}))
 
 
 def test_missing_recipe_and_yaml_syntax(tmp_path: Path) -> None:
-    with pytest.raises(BadInputError, match="recipe not found: 'nope.yaml'"):
+    with pytest.raises(BadInputError, match=r"recipe not found: 'nope\.yaml'"):
         load_config("nope.yaml")
     bad = _write(tmp_path / "bad.yaml", "trainer:\n  total_steps: [1, 2\n")
-    with pytest.raises(BadInputError, match="YAML syntax error .* line"):
+    with pytest.raises(BadInputError, match=r"YAML syntax error .* line"):
         load_config(bad)
     with pytest.raises(BadInputError, match="expected a mapping at the top level"):
         load_config(_write(tmp_path / "list.yaml", "- 1\n- 2\n"))

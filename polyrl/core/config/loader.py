@@ -44,7 +44,7 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_Loader)
 
 
 def packaged_recipes() -> list[str]:

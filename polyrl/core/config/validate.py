@@ -52,9 +52,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
         return build_dataclass(tp, value, path)
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
+        if value is None and type(None) in args:
+            return None
         for arg in args:
             if arg is type(None):
                 continue
@@ -76,7 +75,7 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise BadInputError(f"{path}: expected mapping, got {_describe(value)}")
-        key_tp, val_tp = typing.get_args(tp)
+        _, val_tp = typing.get_args(tp)
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):

@@ -38,9 +38,9 @@ class SequenceBatch:
         R = max(1, max(len(r) for r in responses))
         mask = torch.zeros(B, R)
         lp = torch.zeros(B, R)
-        for i, (r, l) in enumerate(zip(responses, logprobs)):
-            mask[i, : len(r)] = 1.0
-            lp[i, : len(r)] = torch.tensor(l, dtype=torch.float32)
+        for i, (resp, resp_lp) in enumerate(zip(responses, logprobs)):
+            mask[i, : len(resp)] = 1.0
+            lp[i, : len(resp)] = torch.tensor(resp_lp, dtype=torch.float32)
         return cls(list(prompts), list(responses), list(group_ids), mask, lp)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -64,7 +65,7 @@ class Trainer:
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        cfg, alg = self.cfg, self.cfg.algorithm
+        cfg = self.cfg
         t0 = time.perf_counter()
         # 1-2. rollout and reward (with overlong shaping and DAPO dynamic sampling)
         exp = collect_experience(cfg, self)
@@ -73,9 +74,11 @@ class Trainer:
             metrics.update(self._learn(exp.batch, exp.scores))
         # LR schedule: once per training step
         metrics["actor/lr"] = self.models.optimizer.param_groups[0]["lr"]
-        self.models.scheduler.step()
-        if self.models.critic_scheduler is not None:
-            self.models.critic_scheduler.step()
+        with warnings.catch_warnings():  # a step whose updates were all skipped never called optimizer.step()
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.models.scheduler.step()
+            if self.models.critic_scheduler is not None:
+                self.models.critic_scheduler.step()
         self.engine.sync_weights(self.models.actor)
         c = self.state.counters
         c.gen_batches += int(metrics["dapo/gen_batches"])
