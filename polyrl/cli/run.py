@@ -15,12 +15,6 @@ import os
 import sys
 from pathlib import Path
 
-# Same seed, same run on CPU: MKL/OpenMP may otherwise shrink their thread teams when the machine is busy,
-# which changes the order of floating-point reductions (seen as ~1e-9 drifts in logprobs under load).
-# Only effective when set before the math libraries start, i.e. for the `polyrl` process itself.
-os.environ.setdefault("MKL_DYNAMIC", "FALSE")
-os.environ.setdefault("OMP_DYNAMIC", "FALSE")
-
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="backend name (default: the selection rule)")
