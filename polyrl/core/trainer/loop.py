@@ -164,7 +164,9 @@ class Trainer:
 
     def weights_finite(self) -> bool:
         mods = [self.models.actor] + ([self.models.critic] if self.models.critic is not None else [])
-        ok = all(bool(torch.isfinite(p.detach()).all()) for mod in mods for p in mod.parameters())
+        # FSDP params are DTensors: check this rank's shard, then agree across ranks
+        local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for mod in mods for p in mod.parameters()]
+        ok = all(bool(torch.isfinite(t).all()) for t in local)
         return bool(D.all_reduce_(torch.tensor(float(not ok)), "max").item() == 0.0)
 
 
