@@ -94,7 +94,7 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
 
     check_config(cfg)
     build_task(cfg)
-    check_sharding(backend, args.nproc, None)
+    check_sharding(backend, args.nproc, cfg.sharding)
     if cfg.data.batch_size % args.nproc:
         raise BadInputError(
             f"data.batch_size ({cfg.data.batch_size}) must be a multiple of --nproc ({args.nproc}): "

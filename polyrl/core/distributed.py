@@ -211,6 +211,21 @@ def all_reduce_metrics(
     return out
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's Python object, in rank order, on every rank (``[obj]`` in a single process).
+
+    For rollout records (token ids, scores): the trainer gathers a generation batch so that decisions over
+    the global batch (DAPO's group filter) are taken identically on every rank.
+    """
+    import torch.distributed as dist
+
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s Python object on every rank (small objects only: paths, decisions, steps)."""
     import torch.distributed as dist

@@ -136,12 +136,25 @@ class TrainerConfig:
     seed: int = 0
     # Checkpoint every N steps (0 = only the final one).
     save_every: int = 0
+    # Complete checkpoints kept on disk (the oldest are pruned after a new one is published); 0 = all.
+    keep_checkpoints: int = 3
     # Skip an update whose loss or grad norm is not finite; abort after this many in a row.
     max_nonfinite_in_row: int = 3
     # CPU threads for torch (0 = leave torch's default).
     num_threads: int = 0
     logprob_chunk_size: int = 1024
     progress_bar: bool = True
+
+
+@dataclass
+class ShardingConfig:
+    # FSDP2 under torchrun (--nproc > 1): fully_shard per decoder layer, then the root. Mixed precision
+    # comes from the backend (fp32 on cpu; bf16 params / fp32 reduce on accelerators).
+    enabled: bool = True
+    # Keep sharded params, grads and optimizer state in host memory (accelerator backends only).
+    cpu_offload: bool = False
+    # Free gathered layer weights after forward (less memory, one more all-gather in backward).
+    reshard_after_forward: bool = True
 
 
 @dataclass
@@ -158,6 +171,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
 
     def to_dict(self) -> dict[str, Any]:

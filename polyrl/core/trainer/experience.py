@@ -90,6 +90,26 @@ def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list, first_row: int
     }
 
 
+_ROW_KEYS = ("prompts", "responses", "logprobs", "group_ids", "finish")
+_TENSOR_KEYS = ("raw", "shaped", "penalty", "lengths")
+
+
+def _gather_global(part: dict[str, Any]) -> dict[str, Any]:
+    """This generation batch as the 1-process run sees it: every rank's rows, in rank order.
+
+    Ranks generate contiguous slices of the prompts, so the concatenation in rank order is exactly the
+    1-process batch (per-sequence sampling seeds make the samples identical too).
+    """
+    parts = D.all_gather_object(part)
+    if len(parts) == 1:
+        return part
+    out: dict[str, Any] = {k: [x for p in parts for x in p[k]] for k in _ROW_KEYS}
+    out.update({k: torch.cat([p[k] for p in parts]) for k in _TENSOR_KEYS})
+    out["stats"] = {k: sum(p["stats"].get(k, 0) for p in parts) for k in parts[0]["stats"]}
+    out["truncated"] = sum(p["truncated"] for p in parts)
+    return out
+
+
 def _select(part: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     keys = ("prompts", "responses", "logprobs", "group_ids")
     out = {k: [part[k][i] for i in rows] for k in keys}
@@ -97,16 +117,41 @@ def _select(part: dict[str, Any], rows: list[int]) -> dict[str, Any]:
     return out
 
 
+def _rank_share(kept: list[dict[str, Any]]) -> dict[str, Any]:
+    """This rank's contiguous share of the kept groups (whole groups stay on one rank).
+
+    Under N processes the kept groups are trimmed to a multiple of N so that every rank trains on the
+    same number of rows (FSDP collectives need equal work). A full batch (``data.batch_size`` groups, a
+    multiple of N) is never trimmed; only a step that ran out of generation batches with
+    ``on_exhausted: train`` can lose up to N - 1 groups.
+    """
+    rows = {k: [x for part in kept for x in part[k]] for k in ("prompts", "responses", "logprobs", "group_ids")}
+    rows["shaped"] = torch.cat([part["shaped"] for part in kept]) if kept else torch.zeros(0)
+    world = D.get_world_size()
+    if world == 1:
+        return rows
+    groups = list(dict.fromkeys(rows["group_ids"]))
+    groups = groups[: len(groups) - len(groups) % world]
+    mine = set(groups[D.rank_slice(len(groups))])
+    idx = [i for i, g in enumerate(rows["group_ids"]) if g in mine]
+    out = {k: [rows[k][i] for i in idx] for k in ("prompts", "responses", "logprobs", "group_ids")}
+    out["shaped"] = rows["shaped"][idx]
+    return out
+
+
 def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
+    """Generate on this rank's slice of the prompts, then decide over the global batch (identically on every
+    rank) which groups to keep, and train on this rank's share of them."""
     ds = cfg.algorithm.dynamic_sampling
     target = cfg.data.batch_size  # groups (prompts) in the global batch
     kept: list[dict[str, Any]] = []
     kept_groups = gen_batches = filtered_groups = 0
-    seen: list[dict[str, Any]] = []  # every generated sequence, for the reward/length metrics
+    seen: list[dict[str, Any]] = []  # every generated sequence (global), for the reward/length metrics
     t0 = time.perf_counter()
     while True:
         examples = D.shard_for_rank(ctx.task.sample(target, ctx.state.task_rng))
         part = _generate_and_score(cfg, ctx, examples, first_row=D.rank_slice(target).start * cfg.rollout.n)
+        part = _gather_global(part)
         seen.append(part)
         gen_batches += 1
         rows = list(range(len(part["prompts"])))
@@ -118,16 +163,11 @@ def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
         keep = A.filter_groups(metric.float(), part["group_ids"]).tolist()
         groups = list(dict.fromkeys(part["group_ids"]))
         keep_groups = [g for g in groups if keep[part["group_ids"].index(g)]]
-        n_keep = int(D.all_reduce_(torch.tensor(float(len(keep_groups)), dtype=torch.float64)).item())
-        filtered_groups += target - n_keep
-        # take only what the batch still needs (the groups of this rank, in arrival order)
-        room = target - kept_groups
-        if n_keep > room:
-            keep_groups = keep_groups[: max(0, room // D.get_world_size())]
-            n_keep = room
+        filtered_groups += len(groups) - len(keep_groups)
+        keep_groups = keep_groups[: target - kept_groups]  # only what the batch still needs, in arrival order
         chosen = set(keep_groups)
         kept.append(_select(part, [i for i in rows if part["group_ids"][i] in chosen]))
-        kept_groups += n_keep
+        kept_groups += len(keep_groups)
         if kept_groups >= target:
             break
         if 0 < ds.max_num_gen_batches <= gen_batches:
@@ -144,14 +184,11 @@ def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
     metrics = _rollout_metrics(cfg, seen)
     metrics.update({"dapo/gen_batches": gen_batches, "dapo/groups_filtered": filtered_groups,
                     "dapo/groups_kept": kept_groups, "time/rollout_s": rollout_s})
-    prompts = [p for k in kept for p in k["prompts"]]
-    if not prompts:
+    mine = _rank_share(kept)
+    if not mine["prompts"]:
         return Experience(None, torch.zeros(0), metrics)
-    batch = SequenceBatch.from_rollout(
-        prompts, [r for k in kept for r in k["responses"]], [lp for k in kept for lp in k["logprobs"]],
-        [g for k in kept for g in k["group_ids"]],
-    )
-    return Experience(batch, torch.cat([k["shaped"] for k in kept]), metrics)
+    batch = SequenceBatch.from_rollout(mine["prompts"], mine["responses"], mine["logprobs"], mine["group_ids"])
+    return Experience(batch, mine["shaped"], metrics)
 
 
 def _rollout_metrics(cfg: RunConfig, seen: list[dict[str, Any]]) -> dict[str, float]:

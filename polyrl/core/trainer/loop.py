@@ -217,7 +217,7 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
             if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.total_steps:
                 if trainer.weights_finite():
                     save_checkpoint(run_dir.checkpoints, step, trainer.checkpoint_state(),
-                                    device_type=trainer.backend.device_type)
+                                    keep=cfg.keep_checkpoints or None, device_type=trainer.backend.device_type)
                 elif log is not None:
                     log(f"step {step}: weights are not finite; checkpoint not written")
     finally:

@@ -99,11 +99,11 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
         name = cfg.model.critic_name or cfg.model.name
         overrides = {**cfg.model.overrides, **cfg.model.critic_overrides}
         critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1)).to(device)
-    actor = apply_sharding(actor, backend)
+    actor = apply_sharding(actor, backend, cfg.sharding)
     if ref is not None:
-        ref = apply_sharding(ref, backend)
+        ref = apply_sharding(ref, backend, cfg.sharding)
     if critic is not None:
-        critic = apply_sharding(critic, backend)
+        critic = apply_sharding(critic, backend, cfg.sharding)
     o = cfg.optimizer
     sched_kw = dict(warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps, schedule=o.schedule,
                     min_lr_ratio=o.min_lr_ratio)
