@@ -139,3 +139,24 @@ def test_plugin_registered_task_is_found(monkeypatch):
     # a plugin cannot shadow a built-in
     monkeypatch.setitem(registry.tasks, "copy", Constant)
     assert isinstance(get_task("copy"), SyntheticTask)
+
+
+@pytest.mark.parametrize("recipe", ["gpt_oss_dapo_tiny", "deepseek_ppo_tiny"])
+def test_the_tiny_recipes_task_is_a_real_one(recipe):
+    """Issue 5's bar on the task the tiny recipes actually train on: a uniformly random policy earns at most
+    0.15, so does one that already knows the format and guesses digits, and the answer copies >= 3 prompt
+    tokens (it changes with the prompt)."""
+    from polyrl.core.config import load_config
+
+    cfg = load_config(f"recipes/{recipe}.yaml")
+    task = get_task(cfg.data.task, **cfg.data.task_params)
+    rng = random.Random(7)
+    examples = task.sample(2000, rng)
+    uniform = [task.score(ex, random_policy_response(task.vocab(), task.max_response_tokens, rng)) for ex in examples]
+    assert 0.0 < sum(uniform) / len(uniform) <= 0.15
+    digits = sorted({s for ex in examples for s in ex.answer.split()})
+    guesses = [task.score(ex, " ".join(rng.choice(digits) for _ in ex.answer.split())) for ex in examples]
+    assert sum(guesses) / len(guesses) <= 0.15
+    assert all(len(ex.answer.split()) >= 3 for ex in examples)
+    assert len({ex.answer for ex in examples}) > 100  # the answer depends on the prompt
+    assert all(ex.answer.split() == ex.prompt.split()[2:-1] for ex in examples[:50])  # copy of the prompt's digits
