@@ -145,3 +145,18 @@ def test_the_loader_does_not_depend_on_the_working_directory(tmp_path: Path) -> 
     finally:
         os.chdir(here)
     assert a == load_config("deepseek_ppo_tiny")
+
+
+def test_a_child_recipe_replaces_free_form_mappings_but_merges_sections(tmp_path: Path) -> None:
+    """Switching the tiny recipe to another task must not inherit the old task's parameters (a merge
+    could never remove `k`), while schema sections still merge key by key."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "1+1?", "answer": "2"}\n')
+    child = _write(tmp_path / "math.yaml", {"extends": "recipes/gpt_oss_dapo_tiny.yaml",
+                                             "data": {"task": "math", "path": str(rows), "task_params": {}}})
+    cfg = load_config(child)
+    assert cfg.data.task_params == {}
+    assert cfg.data.batch_size == 32  # the rest of `data` is still inherited
+    merged = load_config(_write(tmp_path / "k4.yaml", {"extends": "recipes/gpt_oss_dapo_tiny.yaml",
+                                                        "data": {"task_params": {"k": 4}}}))
+    assert merged.data.task_params == {"k": 4}

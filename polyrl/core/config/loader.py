@@ -96,12 +96,20 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``: mappings merge recursively, other values replace. Inputs are not modified."""
+# Free-form mappings of the schema (task parameters, architecture overrides): a child recipe that sets one
+# replaces the parent's whole mapping — parameters of the parent's task make no sense for another task,
+# and a merge could never remove a key.
+REPLACED_MAPPINGS = frozenset({"data.task_params", "model.overrides", "model.critic_overrides"})
+
+
+def deep_merge(base: dict[str, Any], top: dict[str, Any], _prefix: str = "") -> dict[str, Any]:
+    """``top`` over ``base``: schema sections merge recursively, other values (and the free-form mappings
+    of ``REPLACED_MAPPINGS``) replace. Inputs are not modified."""
     out = copy.deepcopy(base)
     for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+        path = f"{_prefix}{key}"
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and path not in REPLACED_MAPPINGS:
+            out[key] = deep_merge(out[key], value, f"{path}.")
         else:
             out[key] = copy.deepcopy(value)
     return out

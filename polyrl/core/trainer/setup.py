@@ -33,7 +33,14 @@ def build_task(cfg: RunConfig) -> Any:
         params.setdefault("prompt_key", cfg.data.prompt_key)
         params.setdefault("answer_key", cfg.data.answer_key)
         params.setdefault("max_response_tokens", cfg.rollout.max_response_length)
-    return get_task(cfg.data.task, **params)
+    try:
+        return get_task(cfg.data.task, **params)
+    except BadInputError as exc:
+        # A task switched by an override keeps the recipe's parameters for the old task: say where they are.
+        if cfg.data.task_params:
+            raise BadInputError(f"{exc} (data.task_params = {cfg.data.task_params}; "
+                                "override it, e.g. data.task_params={})") from None
+        raise
 
 
 def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
