@@ -93,3 +93,25 @@ def test_rejects_bad_head_ratio():
     q, k, v, _, cu, _ = make_case([8], 3, 2, 16, 16, torch.float32, False, seed=0)
     with pytest.raises(ValueError, match="multiple"):
         _attn()(q, k, v, cu, scale=0.25, window=None, sinks=None)
+
+
+# The corners of the attention issue's grid the table above does not reach: window 3, GQA ratios 2 and 8,
+# sinks of +-30 (sink dominant / negligible), a 300-token document beside 1-token ones.
+EXTREME_SINKS = [
+    ([1, 37, 130, 5], 2, 1, 16, 16, 3),
+    ([1, 37, 130, 5], 8, 1, 16, 16, 128),
+    ([300, 1], 2, 2, 16, 16, None),
+]
+
+
+@pytest.mark.parametrize(("lengths", "hq", "hkv", "d", "dv", "window"), EXTREME_SINKS)
+@pytest.mark.parametrize("sink_value", [30.0, -30.0])
+def test_interpreted_kernels_with_extreme_sinks(lengths, hq, hkv, d, dv, window, sink_value):
+    q, k, v, _, cu, d_out = make_case(lengths, hq, hkv, d, dv, torch.float32, False, seed=hq + (window or 0))
+    # alternate the sign across heads so one call has both a dominant and a negligible sink
+    sinks = sink_value * torch.tensor([(-1.0) ** h for h in range(hq)])
+    got, want = run_both(_attn(), q, k, v, sinks, cu, d_out, window=window)
+    for name in got:
+        kind = "attention.forward" if name == "out" else "attention.grad"
+        err, bar, ok = check_close(kind, got[name], want[name], torch.float32)
+        assert ok, f"{name}: relative error {err:.2e} > {bar:.0e}"
