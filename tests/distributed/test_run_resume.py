@@ -25,7 +25,8 @@ SMALL = [
     "algorithm.dynamic_sampling.enable=false", "trainer.num_threads=1", f"trainer.save_every={SAVE_EVERY}",
 ]  # fmt: skip
 # ppo_kl / clip fractions are ~0 on the first epoch (rounding noise only): not compared relatively.
-COMPARED = ("reward/mean", "response/length_mean", "loss/policy", "loss/total", "actor/grad_norm")
+COMPARED = ("reward/mean", "response/length_mean", "loss/policy", "loss/total", "actor/grad_norm", "actor/entropy",
+            "advantages/abs_mean")
 
 
 def run_cmd(out: Path, total: int = TOTAL, nproc: int = 1) -> list[str]:

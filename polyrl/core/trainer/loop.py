@@ -111,8 +111,8 @@ class Trainer:
 
         old_logp = forward_all(actor_fn, batch, budget)
         metrics = {
-            "rollout/logprob_diff": float(A.masked_mean((old_logp - batch.rollout_logp).abs(), mask)),
-            "actor/entropy": float(A.masked_mean(ent, mask)),
+            "rollout/logprob_diff": _global_mean((old_logp - batch.rollout_logp).abs(), mask),
+            "actor/entropy": _global_mean(ent, mask),
         }
         ref_logp = None
         if m.ref is not None:
@@ -121,7 +121,7 @@ class Trainer:
                                             temperature=cfg.rollout.temperature,
                                             chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=False)[0],
                 batch, budget)
-            metrics["kl/actor_ref"] = float(A.masked_mean(A.kl_penalty(old_logp, ref_logp, "k1"), mask))
+            metrics["kl/actor_ref"] = _global_mean(A.kl_penalty(old_logp, ref_logp, "k1"), mask)
         values = None
         if m.critic is not None:
             values = forward_all(lambda rows: value_forward(m.critic, batch, rows, packed=self.packed,
@@ -143,8 +143,8 @@ class Trainer:
             seq = A.sequence_scores(token_rewards, mask)
             advantages = A.broadcast_to_tokens(A.group_advantages(seq, batch.group_ids, norm_by_std=alg.norm_adv_by_std),
                                                mask)
-        metrics["advantages/mean"] = float(A.masked_mean(advantages, mask))
-        metrics["advantages/abs_mean"] = float(A.masked_mean(advantages.abs(), mask))
+        metrics["advantages/mean"] = _global_mean(advantages, mask)
+        metrics["advantages/abs_mean"] = _global_mean(advantages.abs(), mask)
         metrics["time/prepare_s"] = time.perf_counter() - t0
         # 5. updates: critic first (its targets are fixed), then the actor after the critic warmup
         t1 = time.perf_counter()
@@ -168,6 +168,15 @@ class Trainer:
         local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for mod in mods for p in mod.parameters()]
         ok = all(bool(torch.isfinite(t).all()) for t in local)
         return bool(D.all_reduce_(torch.tensor(float(not ok)), "max").item() == 0.0)
+
+
+def _global_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Masked mean over the tokens of every rank (sum and count all-reduced in fp64): under ``--nproc`` the
+    ranks hold different token counts, so an average of per-rank means would not be the batch's mean."""
+    m = mask.to(torch.float64)
+    stats = D.all_reduce_(torch.stack([(values.detach().to(torch.float64) * m).sum(), m.sum()]))
+    total, count = stats.tolist()
+    return total / max(count, 1.0)
 
 
 def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
