@@ -1,4 +1,4 @@
-"""The ascend backend: torch_npu, HCCL, vllm-ascend.
+"""The ascend backend: torch_npu attention, HCCL (rollout: the hf engine for now; vllm-ascend planned).
 
 ``torch_npu`` is never imported here at module level: importing it without Ascend's CANN breaks even
 ``import torch``. ``detect`` looks for the module spec, the CANN toolkit and the device nodes only.
@@ -35,9 +35,10 @@ class AscendBackend(Backend):
     name = "ascend"
     device_type = "npu"
     collective_backend = "hccl"
-    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm-ascend"})
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
     native_kernels = frozenset({"varlen_attention"})
-    rollout_engines = ("hf", "vllm-ascend")
+    # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
+    rollout_engines = ("hf",)
 
     def detect(self) -> Availability:
         if importlib.util.find_spec("torch_npu") is None:

@@ -1,4 +1,4 @@
-"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL, vLLM rollout.
+"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL (rollout: the hf engine for now).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -21,9 +21,10 @@ class CudaBackend(Backend):
     name = "cuda"
     device_type = "cuda"
     collective_backend = "nccl"
-    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm", "triton"})
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
     native_kernels = frozenset({"varlen_attention"})
-    rollout_engines = ("hf", "vllm")
+    # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
+    rollout_engines = ("hf",)
 
     def detect(self) -> Availability:
         import torch
