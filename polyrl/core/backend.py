@@ -11,6 +11,7 @@ and the fallback is listed by ``polyrl backends`` (``kernels_fallback``).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class Backend:
     native_kernels: ClassVar[frozenset[str]] = frozenset()
     rollout_engines: ClassVar[tuple[str, ...]] = ("hf",)
     is_reference: ClassVar[bool] = False  # the cpu backend: the fallback, not an accelerator
+    # "module:function" of the varlen attention kernel, with the signature of
+    # polyrl.core.reference_attention.reference_varlen_attention (the default: the exact reference).
+    attention_kernel: ClassVar[str] = "polyrl.core.reference_attention:reference_varlen_attention"
 
     # Filled in by the plugin manager: the distribution the backend came from.
     distribution: str = ""
@@ -76,11 +80,13 @@ class Backend:
     ) -> torch.Tensor:
         """Packed causal attention with optional window and sinks (contract in polyrl.core.attention).
 
-        The default is the exact reference; backends override with their kernel.
+        Runs the function named by ``attention_kernel``, imported on first call so that vendor modules
+        (triton, torch_npu) load only when a kernel actually runs. Override the method only when a
+        backend needs more than a function call.
         """
-        from polyrl.core.reference_attention import reference_varlen_attention
-
-        return reference_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+        module_name, _, func_name = self.attention_kernel.partition(":")
+        kernel = getattr(importlib.import_module(module_name), func_name)
+        return kernel(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
 
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:

@@ -12,13 +12,9 @@ import glob
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from polyrl.core.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.hookspecs import hookimpl
-
-if TYPE_CHECKING:
-    import torch
 
 
 def cann_home() -> str | None:
@@ -37,6 +33,7 @@ class AscendBackend(Backend):
     collective_backend = "hccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
     native_kernels = frozenset({"varlen_attention"})
+    attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)
 
@@ -48,21 +45,6 @@ class AscendBackend(Backend):
         if not glob.glob("/dev/davinci[0-9]*"):
             return Availability(False, "no Ascend NPU device node (/dev/davinciN) is visible")
         return Availability(True, "")
-
-    def varlen_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        *,
-        scale: float,
-        window: int | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        from polyrl.backends.ascend.attention import npu_varlen_attention
-
-        return npu_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
 
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy(

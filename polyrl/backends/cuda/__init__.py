@@ -8,13 +8,9 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from polyrl.core.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.hookspecs import hookimpl
-
-if TYPE_CHECKING:
-    import torch
 
 
 class CudaBackend(Backend):
@@ -23,6 +19,7 @@ class CudaBackend(Backend):
     collective_backend = "nccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
     native_kernels = frozenset({"varlen_attention"})
+    attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)
 
@@ -37,21 +34,6 @@ class CudaBackend(Backend):
         if torch.cuda.device_count() == 0:
             return Availability(False, "no CUDA device visible (check CUDA_VISIBLE_DEVICES and the driver)")
         return Availability(True, "")
-
-    def varlen_attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens: torch.Tensor,
-        *,
-        scale: float,
-        window: int | None,
-        sinks: torch.Tensor | None,
-    ) -> torch.Tensor:
-        from polyrl.backends.cuda.attention import triton_varlen_attention
-
-        return triton_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
 
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy(
