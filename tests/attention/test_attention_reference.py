@@ -1,7 +1,6 @@
 """varlen_attention (cpu backend) against an independent fp64 dense oracle: forward and all four gradients.
 
-The oracle is written the way transformers' eager GPT-OSS attention is: per document, repeat K/V per
-query head, an explicit causal/window mask, the sink as an extra logit column of the softmax, dropped after.
+The oracle (polyrl.testing.attention_oracle) is written the way transformers' eager GPT-OSS attention is.
 """
 
 from __future__ import annotations
@@ -14,32 +13,7 @@ import torch
 from polyrl.core import reference_attention
 from polyrl.core.attention import decode_attention, varlen_attention
 from polyrl.core.tolerances import check_close
-
-
-def dense_oracle(q, k, v, cu, *, scale, window, sinks):
-    """fp64, one document at a time, dense [Hq, L, L] logits with the sink as an extra column."""
-    g = q.shape[1] // k.shape[1]
-    outs = []
-    for a, b in itertools.pairwise(cu):
-        if b == a:
-            continue
-        qd, kd, vd = q[a:b].double(), k[a:b].double(), v[a:b].double()
-        kd, vd = kd.repeat_interleave(g, dim=1), vd.repeat_interleave(g, dim=1)
-        logits = torch.einsum("ihd,jhd->hij", qd, kd) * scale
-        i = torch.arange(b - a)[:, None]
-        j = torch.arange(b - a)[None, :]
-        allowed = j <= i
-        if window is not None:
-            allowed = allowed & (i - j < window)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        if sinks is not None:
-            col = sinks.double().view(-1, 1, 1).expand(-1, b - a, 1)
-            logits = torch.cat([logits, col], dim=-1)
-        probs = torch.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)
-        if sinks is not None:
-            probs = probs[..., :-1]
-        outs.append(torch.einsum("hij,jhd->ihd", probs, vd))
-    return torch.cat(outs, dim=0)
+from polyrl.testing.attention_oracle import dense_attention_fp64 as dense_oracle
 
 
 def cancellation_scales(q, k, v, cu, d_out, *, scale, window, sinks):

@@ -1,39 +1,10 @@
-"""Shared by the interpreter and gpu tests: an fp64 dense oracle, random cases, and a run of both."""
+"""Shared by the interpreter and gpu tests: random cases and a run of kernel + fp64 oracle (polyrl.testing)."""
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-
-def dense_oracle(q, k, v, cu, *, scale, window, sinks):
-    """fp64, one document at a time, dense logits with the sink as an extra softmax column (dropped after).
-
-    Written independently of both the kernels and polyrl.core.reference_attention.
-    """
-    g = q.shape[1] // k.shape[1]
-    outs = []
-    cu = [int(x) for x in cu]
-    for a, b in itertools.pairwise(cu):
-        if b == a:
-            continue
-        qd, kd, vd = q[a:b].double(), k[a:b].double(), v[a:b].double()
-        kd, vd = kd.repeat_interleave(g, dim=1), vd.repeat_interleave(g, dim=1)
-        logits = torch.einsum("ihd,jhd->hij", qd, kd) * scale
-        i = torch.arange(b - a, device=q.device)[:, None]
-        j = torch.arange(b - a, device=q.device)[None, :]
-        allowed = j <= i
-        if window is not None:
-            allowed = allowed & (i - j < window)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        if sinks is not None:
-            logits = torch.cat([logits, sinks.double().view(-1, 1, 1).expand(-1, b - a, 1)], dim=-1)
-        probs = torch.softmax(logits, dim=-1)
-        if sinks is not None:
-            probs = probs[..., :-1]
-        outs.append(torch.einsum("hij,jhd->ihd", probs, vd))
-    return torch.cat(outs, dim=0)
+from polyrl.testing.attention_oracle import dense_attention_fp64 as dense_oracle
 
 
 def make_case(lengths, hq, hkv, d, dv, dtype, sink, seed, device="cpu"):
