@@ -13,6 +13,7 @@ Two sources of truth are combined:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable
 
@@ -39,7 +40,27 @@ VLLM_ASCEND_PAIRS: dict[str, tuple[str, str]] = {
     "0.13": ("8.5.0", "2.8.0"),
 }
 TRANSFORMERS_GPT_OSS_MIN = "4.55.0"  # first release with GptOss (attention sinks)
-TRANSFORMERS_POLYRL_RANGE = (">=5.16.1,<5.20")  # what polyrl is tested with (pyproject pins the same)
+
+
+@functools.cache
+def _own_requirement(name: str, fallback: str) -> str:
+    """The specifier polyrl's own package metadata declares for ``name`` (pyproject.toml is the one place
+    it is written); ``fallback`` only when polyrl runs from a source tree that was never installed."""
+    from importlib import metadata
+
+    try:
+        for line in metadata.requires("polyrl") or []:
+            req = Requirement(line)
+            if req.name == name and req.marker is None:
+                return str(req.specifier)
+    except metadata.PackageNotFoundError:
+        pass
+    return fallback
+
+
+def transformers_range() -> str:
+    """The transformers range polyrl is tested with, as pinned in pyproject.toml (read on first use)."""
+    return _own_requirement("transformers", ">=5.16.1,<5.20")
 
 
 @dataclasses.dataclass
@@ -108,11 +129,11 @@ def _transformers_versions(env: Environment) -> list[Problem]:
     if v is not None and v < Version(TRANSFORMERS_GPT_OSS_MIN):
         return [Problem("transformers", f"transformers {tf} is too old for GPT-OSS (no attention sinks)",
                         f"GPT-OSS needs transformers >= {TRANSFORMERS_GPT_OSS_MIN}; polyrl is tested with "
-                        f"{TRANSFORMERS_POLYRL_RANGE}")]
-    req = Requirement(f"transformers{TRANSFORMERS_POLYRL_RANGE}")
+                        f"{transformers_range()}")]
+    req = Requirement(f"transformers{transformers_range()}")
     if v is not None and v not in req.specifier:
-        return [Problem("transformers", f"transformers {tf} is outside polyrl's tested range {TRANSFORMERS_POLYRL_RANGE}",
-                        f"pip install 'transformers{TRANSFORMERS_POLYRL_RANGE}'")]
+        return [Problem("transformers", f"transformers {tf} is outside polyrl's tested range {req.specifier}",
+                        f"pip install 'transformers{req.specifier}'")]
     return []
 
 
