@@ -90,7 +90,7 @@ def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list, first_row: int
     }
 
 
-_ROW_KEYS = ("prompts", "responses", "logprobs", "group_ids", "finish")
+_ROW_KEYS = ("prompts", "responses", "logprobs", "group_ids", "finish")  # per-sequence lists of a part
 _TENSOR_KEYS = ("raw", "shaped", "penalty", "lengths")
 
 
@@ -110,9 +110,12 @@ def _gather_global(part: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+_SEQ_KEYS = ("prompts", "responses", "logprobs", "group_ids")  # what a training batch is built from
+
+
 def _select(part: dict[str, Any], rows: list[int]) -> dict[str, Any]:
-    keys = ("prompts", "responses", "logprobs", "group_ids")
-    out = {k: [part[k][i] for i in rows] for k in keys}
+    """The sequences ``rows`` of ``part`` (lists per key, plus their shaped scores)."""
+    out = {k: [part[k][i] for i in rows] for k in _SEQ_KEYS}
     out["shaped"] = part["shaped"][rows]
     return out
 
@@ -125,7 +128,7 @@ def _rank_share(kept: list[dict[str, Any]]) -> dict[str, Any]:
     multiple of N) is never trimmed; only a step that ran out of generation batches with
     ``on_exhausted: train`` can lose up to N - 1 groups.
     """
-    rows = {k: [x for part in kept for x in part[k]] for k in ("prompts", "responses", "logprobs", "group_ids")}
+    rows = {k: [x for part in kept for x in part[k]] for k in _SEQ_KEYS}
     rows["shaped"] = torch.cat([part["shaped"] for part in kept]) if kept else torch.zeros(0)
     world = D.get_world_size()
     if world == 1:
@@ -133,10 +136,7 @@ def _rank_share(kept: list[dict[str, Any]]) -> dict[str, Any]:
     groups = list(dict.fromkeys(rows["group_ids"]))
     groups = groups[: len(groups) - len(groups) % world]
     mine = set(groups[D.rank_slice(len(groups))])
-    idx = [i for i, g in enumerate(rows["group_ids"]) if g in mine]
-    out = {k: [rows[k][i] for i in idx] for k in ("prompts", "responses", "logprobs", "group_ids")}
-    out["shaped"] = rows["shaped"][idx]
-    return out
+    return _select(rows, [i for i, g in enumerate(rows["group_ids"]) if g in mine])
 
 
 def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
