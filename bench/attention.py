@@ -1,18 +1,28 @@
-"""Attention benchmark on one GPU: polyrl's Triton varlen attention beside SDPA, flex_attention and eager.
+"""Attention benchmark on one GPU: polyrl's Triton varlen attention beside FA4, FLA, SDPA, flex_attention, eager.
 
 GPT-OSS shape (64 q / 8 kv heads, head_dim 64), bf16, 16k tokens packed as 4 documents of 4096 and as one
 document, window None and 128, sinks on. For each case and implementation: forward and forward+backward ms
 (triton.testing.do_bench, median), useful TFLOP/s (only visible (query, key) pairs count), peak memory of one
-forward+backward, and accuracy against an fp32 reference (relative norm) for ours. REFERENCE.md §8 anchors
-(H200) are printed beside our figures. FLA / FlashAttention-4 run when importable.
+forward+backward, the first call's wall time (compilation included), and, for every implementation with sinks,
+accuracy against the fp32 reference (relative norm of out, dq, dk, dv, dsink). The peers run in the same process
+on the same inputs: FlashAttention-4 (``flash_attn.cute.flash_attn_varlen_func``, CuTe DSL) and FLA
+(``fla.ops.attn.parallel_attn``, Triton) when importable (bench/gpu_peers.sh installs them offline), else
+reported "not installed". After the table, each case prints our figure beside each peer's and the ratio
+ours/peer (below 1: ours is faster); REFERENCE.md §8 anchors appear only in place of a peer that did not run.
 
-    python bench/attention.py [--tokens 16384] [--out bench/results/attention.json] [--skip-eager]
+    python bench/attention.py [--quick] [--layouts 4x4096,1x16384] [--windows none,128] [--impls ...]
+                              [--no-accuracy] [--out bench/results/attention.json]
+
+--quick: 4x4096 only (causal and window 128), no eager, shorter timing (do_bench warmup 5 ms / rep 20 ms),
+written to bench/results/attention_quick.json unless --out says otherwise; about a minute with cold compile
+caches (FA4's CuTe DSL JIT and flex's torch.compile dominate the first run; both caches persist in /tmp).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import itertools
 import json
 import os
@@ -23,14 +33,22 @@ import time
 import torch
 
 HQ, HKV, D = 64, 8, 64
-# REFERENCE §8, H200, packed 16k tokens, sinks on: (fwd ms, fwd+bwd ms).
+# REFERENCE §8, H200, packed 16k tokens, sinks on: (fwd ms, fwd+bwd ms). Shown only for a peer that did not run.
 ANCHORS = {
-    ("4x4096", None): {"FA4": (1.46, 4.69), "FLA": (1.82, 10.13), "flex": (2.13, 8.40), "cuDNN-nosink": (1.24, 5.06)},
-    ("4x4096", 128): {"FA4": (0.50, 1.59), "FLA": (0.83, 3.70), "flex": (0.99, 3.52)},
-    ("1x16384", None): {"FA4": (4.25, 15.2), "FLA": (5.92, 32.2), "flex": (6.36, 25.6)},
-    ("1x16384", 128): {"FA4": (0.59, 1.66), "FLA": (0.84, 3.81), "flex": (1.00, 3.54)},
+    ("4x4096", None): {"fa4": (1.46, 4.69), "fla": (1.82, 10.13), "flex": (2.13, 8.40), "sdpa-nosink": (1.24, 5.06)},
+    ("4x4096", 128): {"fa4": (0.50, 1.59), "fla": (0.83, 3.70), "flex": (0.99, 3.52)},
+    ("1x16384", None): {"fa4": (4.25, 15.2), "fla": (5.92, 32.2), "flex": (6.36, 25.6)},
+    ("1x16384", 128): {"fa4": (0.59, 1.66), "fla": (0.84, 3.81), "flex": (1.00, 3.54)},
 }
 TARGETS = {("4x4096", None): (1.3, 4.2), ("4x4096", 128): (0.15, 0.5)}
+OURS = "polyrl"
+PEER_DISTS = ("flash-attn-4", "fla-core", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "quack-kernels",
+              "apache-tvm-ffi", "liger-kernel")
+FULL = {"layouts": "4x4096,1x16384", "windows": "none,128", "impls": "polyrl,fa4,fla,sdpa-nosink,flex,eager",
+        "warmup_ms": 10, "rep_ms": 50, "out": "bench/results/attention.json"}
+QUICK = {"layouts": "4x4096", "windows": "none,128", "impls": "polyrl,fa4,fla,sdpa-nosink,flex",
+         "warmup_ms": 5, "rep_ms": 20, "out": "bench/results/attention_quick.json"}
+TIMING = {"warmup_ms": FULL["warmup_ms"], "rep_ms": FULL["rep_ms"]}
 
 
 def useful_flops(lengths: list[int], window: int | None) -> float:
@@ -48,7 +66,7 @@ def useful_flops(lengths: list[int], window: int | None) -> float:
 def bench_ms(fn) -> float:
     import triton.testing
 
-    return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+    return float(triton.testing.do_bench(fn, warmup=TIMING["warmup_ms"], rep=TIMING["rep_ms"], return_mode="median"))
 
 
 def peak_gib(fn) -> float:
@@ -60,11 +78,26 @@ def peak_gib(fn) -> float:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm())
 
 
-# --- implementations: each returns (fwd callable, fwd+bwd callable) over the shared packed inputs ----------
+class PeerMissing(Exception):
+    """An optional peer that cannot be imported: reported as "not installed" or "import failed", not as a bug."""
+
+
+def import_peer(module: str, name: str):
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError as e:
+        raise PeerMissing(f"not installed: {e}") from None
+    except Exception as e:  # e.g. the CuTe DSL finding no usable CUDA toolkit flavour
+        raise PeerMissing(f"import failed: {type(e).__name__}: {str(e)[:200]}") from None
+
+
+# --- implementations: each returns a fwd callable (or (fwd, grad leaves)) over the shared packed inputs -----
 def impl_polyrl(q, k, v, sinks, cu, lengths, window):
     from polyrl.backends.cuda.attention import triton_varlen_attention
 
@@ -80,6 +113,8 @@ def impl_sdpa(q, k, v, sinks, cu, lengths, window):
     """cuDNN / flash SDPA, batched documents, causal, NO sink and no window: the upper bound."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if window is not None:
+        raise RuntimeError("SDPA has no sliding window")
     if len(set(lengths)) != 1:
         raise RuntimeError("batched SDPA needs equal document lengths")
     b, n = len(lengths), lengths[0]
@@ -151,30 +186,41 @@ def impl_eager(q, k, v, sinks, cu, lengths, window):
 
 
 def impl_fla(q, k, v, sinks, cu, lengths, window):
-    from fla.ops.attn import parallel_attn  # optional peer
+    """FLA's Triton parallel_attn: [B=1, T, H, D] with cu_seqlens (int64); window_size=W keeps keys
+    [i - W + 1, i] (ours' convention); sink_bias [Hq] is the GPT-OSS sink logit (natural log units)."""
+    parallel_attn = import_peer("fla.ops.attn", "parallel_attn")
+    cu64 = cu.long()
+    q1, k1, v1 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
 
     def fwd():
-        return parallel_attn(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=D**-0.5, cu_seqlens=cu.long(),
-                             window_size=window, sink_bias=sinks).squeeze(0)
+        return parallel_attn(q1, k1, v1, scale=D**-0.5, window_size=window, cu_seqlens=cu64,
+                             sink_bias=sinks).squeeze(0)
 
     return fwd
+
+
+def fa4_window(window: int | None) -> tuple[int | None, int | None]:
+    """FA4's (left, right): key j visible from query i when i - left <= j <= i + right; ours keeps W keys."""
+    return (window - 1, 0) if window is not None else (None, None)
 
 
 def impl_fa4(q, k, v, sinks, cu, lengths, window):
-    from flash_attn.cute import flash_attn_varlen_func  # optional peer
-
+    """FA4 (CuTe DSL). Keyword arguments only: the 4th positional parameter is qv (MLA), not cu_seqlens_q.
+    It always returns (out, lse); learnable_sink [Hq] may be fp32 and gets its gradient."""
+    flash_attn_varlen_func = import_peer("flash_attn.cute", "flash_attn_varlen_func")
     n = max(lengths)
 
     def fwd():
-        out = flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True, learnable_sink=sinks,
-                                     window_size=(window - 1, 0) if window else (None, None))
-        return out[0] if isinstance(out, tuple) else out
+        out, _lse = flash_attn_varlen_func(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
+                                           max_seqlen_k=n, softmax_scale=D**-0.5, causal=True,
+                                           window_size=fa4_window(window), learnable_sink=sinks)
+        return out
 
     return fwd
 
 
-IMPLS = {"polyrl": impl_polyrl, "sdpa-nosink": impl_sdpa, "flex": impl_flex, "eager": impl_eager,
-         "fla": impl_fla, "fa4": impl_fa4}
+IMPLS = {"polyrl": impl_polyrl, "fa4": impl_fa4, "fla": impl_fla, "sdpa-nosink": impl_sdpa, "flex": impl_flex,
+         "eager": impl_eager}
 
 
 def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool) -> list[dict]:
@@ -189,29 +235,35 @@ def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool) 
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     do = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
     flops = useful_flops(lengths, window)
+    reference = {}  # the fp32 reference of this case, computed once for all implementations
     rows = []
     for name in impls:
         row = {"layout": layout, "window": window, "impl": name, "sinks": name != "sdpa-nosink"}
         try:
             made = IMPLS[name](q, k, v, sinks, cu, lengths, window)
             fwd, leaves = made if isinstance(made, tuple) else (made, (q, k, v, sinks))
-            if name == "sdpa-nosink" and window is not None:
-                raise RuntimeError("SDPA has no sliding window")
 
             def fwd_bwd(fwd=fwd, leaves=leaves):
                 out = fwd()
                 torch.autograd.grad(out, leaves, do, allow_unused=True)
 
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fwd_bwd()  # compiles / autotunes
+            torch.cuda.synchronize()
+            row["first_call_s"] = round(time.perf_counter() - t0, 2)
             with torch.no_grad():
                 row["fwd_ms"] = bench_ms(fwd)
             row["fwd_bwd_ms"] = bench_ms(fwd_bwd)
             row["peak_gib"] = round(peak_gib(fwd_bwd), 3)
             row["fwd_tflops"] = round(flops / row["fwd_ms"] / 1e9, 1)
             row["fwd_bwd_tflops"] = round(3.5 * flops / row["fwd_bwd_ms"] / 1e9, 1)
-            if accuracy and name in ("polyrl", "fla", "fa4"):
-                row.update(accuracy_vs_fp32(fwd, q, k, v, sinks, cu, window, do))
-        except ImportError as e:
-            row["error"] = f"not installed: {e}"
+            if accuracy and row["sinks"]:
+                if not reference:
+                    reference.update(fp32_reference(q, k, v, sinks, cu, window, do))
+                row.update(accuracy_vs_fp32(fwd, q, k, v, sinks, do, reference))
+        except PeerMissing as e:
+            row["error"] = str(e)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
         except Exception as e:  # a peer failing must not hide the others' numbers
@@ -222,75 +274,198 @@ def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool) 
     return rows
 
 
-def accuracy_vs_fp32(fwd, q, k, v, sinks, cu, window, do) -> dict:
-    """bf16 kernel vs the fp32 reference on the same (bf16-rounded) inputs: relative norm of out and grads."""
-    from polyrl.core.reference_attention import reference_varlen_attention
+GRAD_NAMES = ("dq", "dk", "dv", "dsink")
 
-    out = fwd()
-    grads = torch.autograd.grad(out, (q, k, v, sinks), do)
+
+def polyrl_reference():
+    """polyrl's exact reference; its module moved in the polyrl.core.attention package split (old path kept)."""
+    import importlib
+
+    for module in ("polyrl.core.attention.reference", "polyrl.core.reference_attention"):
+        try:
+            return importlib.import_module(module).reference_varlen_attention
+        except ModuleNotFoundError:
+            continue
+    raise ImportError("polyrl's reference_varlen_attention not found")
+
+
+def fp32_reference(q, k, v, sinks, cu, window, do) -> dict:
+    """polyrl's exact fp32 reference on the same (bf16-rounded) inputs: out and the four gradients."""
+    reference_varlen_attention = polyrl_reference()
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v, sinks)]
     ref = reference_varlen_attention(*leaves[:3], cu, scale=D**-0.5, window=window, sinks=leaves[3])
-    ref_grads = torch.autograd.grad(ref, leaves, do.float())
-    names = ("dq", "dk", "dv", "dsink")
-    res = {"err_out": rel(out, ref)}
-    res.update({f"err_{n}": rel(g, r) for n, g, r in zip(names, grads, ref_grads)})
+    grads = torch.autograd.grad(ref, leaves, do.float())
+    return {"out": ref.detach(), **dict(zip(GRAD_NAMES, grads))}
+
+
+def accuracy_vs_fp32(fwd, q, k, v, sinks, do, reference: dict) -> dict:
+    """bf16 kernel vs the fp32 reference: relative norm of out and of each gradient."""
+    out = fwd()
+    grads = torch.autograd.grad(out, (q, k, v, sinks), do)
+    res = {"err_out": rel(out, reference["out"])}
+    res.update({f"err_{n}": rel(g, reference[n]) for n, g in zip(GRAD_NAMES, grads)})
     return {k_: float(f"{v_:.2e}") for k_, v_ in res.items()}
+
+
+# --- ours beside each peer (no GPU needed below this line) ------------------------------------------------
+def case_key(layout: str, window: int | None) -> str:
+    return f"{layout}/{window}"
+
+
+def ratio(ours: float | None, peer: float | None) -> float | None:
+    return round(ours / peer, 3) if ours and peer else None
+
+
+def max_grad_err(row: dict) -> float | None:
+    errs = [row[f"err_{n}"] for n in GRAD_NAMES if f"err_{n}" in row]
+    return max(errs) if errs else None
+
+
+def compare(rows: list[dict], peers: list[str]) -> dict:
+    """{"vs_<peer>": {case: ours and peer ms, ratio ours/peer (below 1: ours faster), accuracy or error}}."""
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_case.setdefault(case_key(r["layout"], r["window"]), {})[r["impl"]] = r
+    result = {}
+    for peer in peers:
+        cases = {}
+        for key, impls in by_case.items():
+            ours, theirs = impls.get(OURS, {}), impls.get(peer)
+            if theirs is None:
+                continue
+            entry = {"ours_fwd_ms": ours.get("fwd_ms"), "ours_fwd_bwd_ms": ours.get("fwd_bwd_ms"),
+                     "peer_fwd_ms": theirs.get("fwd_ms"), "peer_fwd_bwd_ms": theirs.get("fwd_bwd_ms"),
+                     "ratio_fwd": ratio(ours.get("fwd_ms"), theirs.get("fwd_ms")),
+                     "ratio_fwd_bwd": ratio(ours.get("fwd_bwd_ms"), theirs.get("fwd_bwd_ms")),
+                     "ours_err_out": ours.get("err_out"), "peer_err_out": theirs.get("err_out"),
+                     "ours_err_grad_max": max_grad_err(ours), "peer_err_grad_max": max_grad_err(theirs),
+                     "ours_peak_gib": ours.get("peak_gib"), "peer_peak_gib": theirs.get("peak_gib")}
+            if "error" in theirs:
+                entry["peer_error"] = theirs["error"]
+            if "error" in ours:
+                entry["ours_error"] = ours["error"]
+            cases[key] = entry
+        result[f"vs_{peer}"] = cases
+    return result
+
+
+def _ms(x: float | None) -> str:
+    return f"{x:.3f}" if x is not None else "-"
+
+
+def _err(x: float | None) -> str:
+    return f"{x:.1e}" if x is not None else "-"
+
+
+def comparison_lines(rows: list[dict], peers: list[str]) -> list[str]:
+    """Per case: our fwd / f+b ms, then each peer's beside it with ours/peer, accuracy, and errors or anchors."""
+    comp = compare(rows, peers)
+    lines = [f"\nours ({OURS}) vs each peer, same run, same inputs; ratio = ours/peer (below 1: ours faster)",
+             f"{'case':16} {'peer':12} {'ours fwd/f+b ms':>17} {'peer fwd/f+b ms':>17} {'ratio fwd':>9} "
+             f"{'ratio f+b':>9}  err out ours/peer  err grad-max ours/peer"]
+    cases = list(dict.fromkeys(case_key(r["layout"], r["window"]) for r in rows))
+    for key in cases:
+        layout, w = key.split("/")
+        anchors = ANCHORS.get((layout, None if w == "None" else int(w)), {})
+        for peer in peers:
+            e = comp[f"vs_{peer}"].get(key)
+            if e is None:
+                continue
+            ours_s = f"{_ms(e['ours_fwd_ms'])}/{_ms(e['ours_fwd_bwd_ms'])}"
+            if "peer_error" in e or e["peer_fwd_ms"] is None:
+                anc = anchors.get(peer)
+                note = f"  (REFERENCE anchor, not this run: {anc[0]}/{anc[1]} ms)" if anc else ""
+                lines.append(f"{key:16} {peer:12} {ours_s:>17} {e.get('peer_error', 'no figure')[:60]}{note}")
+                continue
+            peer_s = f"{_ms(e['peer_fwd_ms'])}/{_ms(e['peer_fwd_bwd_ms'])}"
+            rf = f"{e['ratio_fwd']:.2f}" if e["ratio_fwd"] is not None else "-"
+            rb = f"{e['ratio_fwd_bwd']:.2f}" if e["ratio_fwd_bwd"] is not None else "-"
+            lines.append(f"{key:16} {peer:12} {ours_s:>17} {peer_s:>17} {rf:>9} {rb:>9}  "
+                         f"{_err(e['ours_err_out'])}/{_err(e['peer_err_out'])}      "
+                         f"{_err(e['ours_err_grad_max'])}/{_err(e['peer_err_grad_max'])}")
+    return lines
 
 
 def versions() -> dict:
     import transformers
     import triton
 
+    def dist_version(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
     return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "triton": triton.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "peers": {d: dist_version(d) for d in PEER_DISTS}}
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"\n{'layout':8} {'window':6} {'impl':12} {'fwd ms':>8} {'f+b ms':>8} {'fwd TF':>7} {'f+b TF':>7} "
-          f"{'peak GiB':>8}  anchors (fwd / f+b ms)")
+def table_lines(rows: list[dict]) -> list[str]:
+    lines = [f"\n{'layout':8} {'window':6} {'impl':12} {'fwd ms':>8} {'f+b ms':>8} {'fwd TF':>7} {'f+b TF':>7} "
+             f"{'peak GiB':>8} {'1st call s':>10}"]
     for r in rows:
-        anc = ANCHORS.get((r["layout"], r["window"]), {})
-        tgt = TARGETS.get((r["layout"], r["window"]))
-        anchor = "  ".join(f"{k} {a[0]}/{a[1]}" for k, a in anc.items()) if r["impl"] == "polyrl" else ""
-        if tgt and r["impl"] == "polyrl":
-            anchor = f"target {tgt[0]}/{tgt[1]}  " + anchor
         if "error" in r:
-            print(f"{r['layout']:8} {r['window']!s:6} {r['impl']:12} {r['error']}")
+            lines.append(f"{r['layout']:8} {r['window']!s:6} {r['impl']:12} {r['error']}")
             continue
-        print(f"{r['layout']:8} {r['window']!s:6} {r['impl']:12} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
-              f"{r['fwd_tflops']:7.0f} {r['fwd_bwd_tflops']:7.0f} {r['peak_gib']:8.2f}  {anchor}")
+        tgt = TARGETS.get((r["layout"], r["window"])) if r["impl"] == OURS else None
+        lines.append(f"{r['layout']:8} {r['window']!s:6} {r['impl']:12} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
+                     f"{r['fwd_tflops']:7.0f} {r['fwd_bwd_tflops']:7.0f} {r['peak_gib']:8.2f} "
+                     f"{r.get('first_call_s', 0):10.1f}" + (f"  target {tgt[0]}/{tgt[1]} ms" if tgt else ""))
         if "err_out" in r:
             errs = " ".join(f"{k[4:]} {v:.1e}" for k, v in r.items() if k.startswith("err_"))
-            print(f"{'':29}accuracy vs fp32 (rel. norm; FA4/FLA: out 2.0e-3, grads <= 3.4e-3): {errs}")
+            lines.append(f"{'':29}accuracy vs fp32 (rel. norm): {errs}")
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="4x4096 causal + window 128, no eager, short timing")
+    ap.add_argument("--layouts")
+    ap.add_argument("--windows")
+    ap.add_argument("--impls")
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for key in ("layouts", "windows", "impls", "out"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    args.warmup_ms, args.rep_ms = preset["warmup_ms"], preset["rep_ms"]
+    unknown = [i for i in args.impls.split(",") if i not in IMPLS]
+    if unknown:
+        ap.error(f"unknown impls {unknown}; known: {','.join(IMPLS)}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layouts", default="4x4096,1x16384")
-    ap.add_argument("--windows", default="none,128")
-    ap.add_argument("--impls", default="polyrl,sdpa-nosink,flex,eager,fla,fa4")
-    ap.add_argument("--no-accuracy", action="store_true")
-    ap.add_argument("--out", default="bench/results/attention.json")
-    args = ap.parse_args(argv)
+    args = parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/attention.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    # FA4 keeps its compiled CuTe kernels on disk (under /tmp) when asked: a second run skips the JIT.
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/tmp/fa4_cute_dsl_cache")
+    TIMING.update(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
+    impls = args.impls.split(",")
     rows = []
     t0 = time.time()
     for layout in args.layouts.split(","):
         for w in args.windows.split(","):
             window = None if w == "none" else int(w)
-            rows += run_case(layout, window, args.impls.split(","), accuracy=not args.no_accuracy)
+            rows += run_case(layout, window, impls, accuracy=not args.no_accuracy)
+    peers = [i for i in impls if i != OURS]
     result = {"versions": versions(), "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"},
+              "timing": {"quick": args.quick, "do_bench_warmup_ms": args.warmup_ms, "do_bench_rep_ms": args.rep_ms},
               "anchors_ms": {f"{k[0]}/{k[1]}": v for k, v in ANCHORS.items()}, "rows": rows,
-              "wall_s": round(time.time() - t0, 1)}
+              **compare(rows, peers), "wall_s": round(time.time() - t0, 1)}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print_table(rows)
-    print(json.dumps(result["versions"]))
+    print("\n".join(table_lines(rows)))
+    print("\n".join(comparison_lines(rows, peers)))
+    print(json.dumps(result["versions"]), f"wall {result['wall_s']} s")
     return 0
 
 
