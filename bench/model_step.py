@@ -27,13 +27,15 @@ def register_polyrl_attention() -> str:
     """Use polyrl's transformers registration when present; otherwise a minimal local adapter (bench only)."""
     os.environ.setdefault("POLYRL_BACKEND", "cuda")
     try:
-        from polyrl.core import hf_attention  # registers attn_implementation="polyrl" and its mask function
+        from polyrl.core.attention import (
+            hf as hf_attention,  # registers attn_implementation="polyrl" and its mask function
+        )
 
         hf_attention.register()
         if hf_attention.is_registered():
             return "polyrl"
     except Exception as e:  # not there yet, or broken: fall back to the local adapter, and say so
-        print(f"polyrl.core.hf_attention unavailable ({type(e).__name__}: {e}); using the bench adapter")
+        print(f"polyrl.core.attention.hf unavailable ({type(e).__name__}: {e}); using the bench adapter")
     from transformers import AttentionInterface
 
     from polyrl.backends.cuda.attention import triton_varlen_attention

@@ -3,7 +3,7 @@
 Importing polyrl is cheap and touches no device: backends are discovered lazily through the
 ``polyrl.backends`` entry-point group, and vendor modules (triton, torch_npu, vllm) are only imported
 inside the functions that need them. The transformers attention registration ``"polyrl"`` is put in
-place on import when transformers is installed (see :mod:`polyrl.core.hf_attention`).
+place on import when transformers is installed (see :mod:`polyrl.core.attention.hf`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ def _register_transformers_attention() -> None:
     # The registration must exist as soon as polyrl is imported, so that
     # from_pretrained(..., attn_implementation="polyrl") works without further calls.
     try:
-        from polyrl.core import hf_attention
+        from polyrl.core.attention import hf as hf_attention
     except ImportError:  # transformers missing or module not built yet: nothing to register
         return
     hf_attention.register()

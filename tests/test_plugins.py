@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from polyrl.core import plugins, selection
+from polyrl.core import plugins
 from polyrl.core.errors import BackendSelectionError
+from polyrl.core.plugins import selection
 
 DUMMY_SRC = Path(__file__).parent / "plugins" / "polyrl_dummy_backend"
 

@@ -18,7 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from polyrl.core.export import export_checkpoint
+    from polyrl.core.run.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out_dir, dtype=args.dtype)
     print(f"exported {args.checkpoint} -> {out}")

@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def main(args: argparse.Namespace) -> int:
     from polyrl.core.plugins import list_backends
-    from polyrl.core.selection import resolve_backend
+    from polyrl.core.plugins.selection import resolve_backend
     from polyrl.testing.parity import run_parity
 
     if args.backend is not None and args.backend in list_backends():

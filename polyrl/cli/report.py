@@ -1,4 +1,4 @@
-"""``polyrl report RUN_DIR``: plots and a Markdown summary of a run (see polyrl.core.report)."""
+"""``polyrl report RUN_DIR``: plots and a Markdown summary of a run (see polyrl.core.run.report)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from polyrl.core.report import write_report
+    from polyrl.core.run.report import write_report
 
     png_path, md_path = write_report(args.run_dir)
     print(f"wrote {png_path}")

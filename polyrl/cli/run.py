@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
     args = _split_remainder(args)
     from polyrl.core import distributed as D
     from polyrl.core.config import dump_config, load_config
-    from polyrl.core.selection import set_active_backend
+    from polyrl.core.plugins.selection import set_active_backend
 
     overrides = list(args.overrides)
     if args.seed is not None:
@@ -87,9 +87,9 @@ def main(args: argparse.Namespace) -> int:
 def _launch(args: argparse.Namespace, cfg, backend) -> int:
     """Validate here, in the launcher, what can be validated without a process group (so bad input
     still exits 2 with one line), then re-run this command as ``--nproc`` torchrun workers."""
+    from polyrl.core.distributed.launch import launch_torchrun
+    from polyrl.core.distributed.sharding import check_sharding
     from polyrl.core.errors import BadInputError
-    from polyrl.core.launch import launch_torchrun
-    from polyrl.core.sharding import check_sharding
     from polyrl.core.trainer.setup import build_task, check_config
 
     check_config(cfg)
@@ -111,8 +111,8 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
 
 def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     from polyrl.core import distributed as D
-    from polyrl.core.checkpoint import load_latest_checkpoint
-    from polyrl.core.run_dir import RunDir, default_run_dir
+    from polyrl.core.run.checkpoint import load_latest_checkpoint
+    from polyrl.core.run.directory import RunDir, default_run_dir
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
 
     D.init_distributed(backend)
@@ -126,7 +126,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(),
                                      device_type=backend.device_type)
     run_dir.open(config_yaml, resume_step=resumed)
-    from polyrl.core.export import save_model_metadata
+    from polyrl.core.run.export import save_model_metadata
 
     save_model_metadata(run_dir.checkpoints, trainer.models.actor, trainer.tokenizer)  # for `polyrl export`
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)

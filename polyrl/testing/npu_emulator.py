@@ -429,7 +429,7 @@ def emulated_ascend_backend():
     """The real AscendBackend with only detection and device swapped: available, and on the CPU, so that
     the conformance kit runs its kernels through whatever torch_npu is in sys.modules (the emulator)."""
     from polyrl.backends.ascend import AscendBackend
-    from polyrl.core.backend import Availability
+    from polyrl.core.plugins.backend import Availability
 
     class EmulatedAscendBackend(AscendBackend):
         def detect(self) -> Availability:

@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from polyrl.core import reference_attention
 from polyrl.core.attention import decode_attention, varlen_attention
+from polyrl.core.attention import reference as reference_attention
 from polyrl.core.tolerances import check_close
 from polyrl.testing.attention_oracle import dense_attention_fp64 as dense_oracle
 

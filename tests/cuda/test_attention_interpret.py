@@ -56,7 +56,7 @@ def test_interpreted_kernels_match_fp64_oracle(lengths, hq, hkv, d, dv, window, 
 
 
 def test_interpreted_kernels_match_core_reference():
-    from polyrl.core.reference_attention import reference_varlen_attention
+    from polyrl.core.attention.reference import reference_varlen_attention
 
     q, k, v, sinks, cu, d_out = make_case([33, 48], 4, 2, 16, 16, torch.float32, True, seed=3)
     got, _ = run_both(_attn(), q, k, v, sinks, cu, d_out, window=20)

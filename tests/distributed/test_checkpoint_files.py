@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from polyrl.core import checkpoint as C
 from polyrl.core.errors import BadInputError
+from polyrl.core.run import checkpoint as C
 
 
 class Net(nn.Module):

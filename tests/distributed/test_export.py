@@ -10,8 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
 from polyrl.cli import main as cli_main
-from polyrl.core import checkpoint as C
-from polyrl.core.export import save_model_metadata
+from polyrl.core.run import checkpoint as C
+from polyrl.core.run.export import save_model_metadata
 
 
 def _tiny_gpt_oss() -> GptOssForCausalLM:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from dist_procs import child_env, read_metrics, run_and_kill, run_to_end
 
-from polyrl.core import checkpoint as C
+from polyrl.core.run import checkpoint as C
 from polyrl.core.tolerances import tolerance
 
 pytestmark = pytest.mark.distributed

@@ -12,9 +12,15 @@ from polyrl.backends.ascend import AscendBackend
 from polyrl.backends.cpu import CpuBackend
 from polyrl.backends.cuda import CudaBackend
 from polyrl.core import distributed as D
+from polyrl.core.distributed.launch import strip_nproc, torchrun_command
+from polyrl.core.distributed.sharding import (
+    ShardingOptions,
+    apply_sharding,
+    check_sharding,
+    clip_grad_norm,
+    decoder_layers,
+)
 from polyrl.core.errors import BadInputError
-from polyrl.core.launch import strip_nproc, torchrun_command
-from polyrl.core.sharding import ShardingOptions, apply_sharding, check_sharding, clip_grad_norm, decoder_layers
 
 
 class Wrapped(nn.Module):

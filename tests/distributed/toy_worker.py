@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from polyrl.backends.cpu import CpuBackend
-from polyrl.core import checkpoint as C
 from polyrl.core import distributed as D
-from polyrl.core.sharding import apply_sharding, clip_grad_norm
+from polyrl.core.distributed.sharding import apply_sharding, clip_grad_norm
+from polyrl.core.run import checkpoint as C
 
 
 class Toy(nn.Module):

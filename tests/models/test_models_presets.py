@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from polyrl.core.models import build_model, model_config, preset_names
-from polyrl.core.tokenizer import build_tiny_tokenizer
+from polyrl.core.models.tokenizer import build_tiny_tokenizer
 
 
 def test_presets_listed():

@@ -9,7 +9,7 @@ import pytest
 
 from polyrl.cli import main as cli_main
 from polyrl.core.errors import BadInputError
-from polyrl.core.report import read_metrics, write_report
+from polyrl.core.run.report import read_metrics, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

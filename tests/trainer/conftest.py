@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from polyrl.cli import main as polyrl_main
-from polyrl.core.selection import reset_active_backend
+from polyrl.core.plugins.selection import reset_active_backend
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import importlib.util
 import os
 from collections.abc import Callable
 
-from polyrl.core.backend import Availability, Backend, ShardingPolicy
-from polyrl.core.hookspecs import hookimpl
+from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
+from polyrl.core.plugins.hookspecs import hookimpl
 
 
 def cann_home() -> str | None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from polyrl.core.backend import Availability, Backend, ShardingPolicy
-from polyrl.core.hookspecs import hookimpl
+from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
+from polyrl.core.plugins.hookspecs import hookimpl
 
 
 class CpuBackend(Backend):

@@ -39,7 +39,7 @@ def build_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import polyrl.core.hf_attention as hf_attention
+    import polyrl.core.attention.hf as hf_attention
 
     hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
     overrides = dict(overrides or {})

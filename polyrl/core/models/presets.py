@@ -4,7 +4,7 @@ Full-size presets describe the public checkpoints (REFERENCE.md §3) so that rec
 tiny presets keep the architecture (GPT-OSS: alternating sliding/full layers, sinks, MoE, YaRN rope;
 DeepSeek-V3: MLA with Dv != D, MoE with shared experts and grouped routing, a first dense layer) at a
 width an RL run trains on 2 CPU cores in about a minute. Tiny special tokens follow
-:func:`polyrl.core.tokenizer.build_tiny_tokenizer`: <pad>=0, <bos>=1, <eos>=2.
+:func:`polyrl.core.models.tokenizer.build_tiny_tokenizer`: <pad>=0, <bos>=1, <eos>=2.
 """
 
 from __future__ import annotations

@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from polyrl.core.rewards.pool import OK, TIMEOUT, shared_pool
-from polyrl.core.tasks import Example, Task
 
 DEFAULT_TIMEOUT_S = 10.0
 
@@ -26,7 +25,15 @@ class RewardFn(Protocol):
     def __call__(self, answer: str, response: str) -> float: ...
 
 
-def score_batch(task: Task, examples: Sequence[Example], responses: Sequence[str], *,
+class ScoredTask(Protocol):
+    """What ``score_batch`` needs of a task (:class:`polyrl.core.tasks.Task` satisfies it; rewards sit below
+    tasks in the layer order, so this module does not import them): ``score(example, response)``, and
+    optionally ``failure_score`` and ``remote_score`` (a picklable ``RewardFn`` run in worker processes)."""
+
+    def score(self, example: Any, response: str) -> float: ...
+
+
+def score_batch(task: ScoredTask, examples: Sequence[Any], responses: Sequence[str], *,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[float], dict[str, int]]:
     """Score ``responses[i]`` against ``examples[i]``; never raises for a failing reward.
 

@@ -5,7 +5,7 @@
 ``BadInputError`` before a run directory exists. SPMD-ready: each rank takes its slice of the prompts,
 token counts are all-reduced, metrics are averaged over ranks and written by rank 0. Resumable: the
 mutable state lives in the models, optimizers, schedulers and ``TrainerState`` that ``checkpoint_state``
-hands to :mod:`polyrl.core.checkpoint`.
+hands to :mod:`polyrl.core.run.checkpoint`.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
     has already done so and set ``trainer.state.step``). A checkpoint is written only when every weight is
     finite. Returns the last step's metrics.
     """
-    from polyrl.core.checkpoint import save_checkpoint
+    from polyrl.core.run.checkpoint import save_checkpoint
 
     cfg = trainer.cfg.trainer
     bar = None

@@ -46,7 +46,7 @@ def build_task(cfg: RunConfig) -> Any:
 def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
     symbols = task.vocab()
     if symbols and cfg.model.tokenizer is None:
-        from polyrl.core.tokenizer import build_tiny_tokenizer
+        from polyrl.core.models.tokenizer import build_tiny_tokenizer
 
         return build_tiny_tokenizer(symbols)
     source = cfg.model.tokenizer or cfg.model.name
@@ -92,7 +92,7 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
 
     ``vocab_size``: the tiny tokenizer's size for synthetic tasks (embeddings sized to it), else None.
     """
-    from polyrl.core.sharding import apply_sharding
+    from polyrl.core.distributed.sharding import apply_sharding
 
     seed = cfg.trainer.seed
     vocab = vocab_size

@@ -20,7 +20,7 @@ import torch
 from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
-from polyrl.core.sharding import clip_grad_norm
+from polyrl.core.distributed.sharding import clip_grad_norm
 from polyrl.core.trainer.batch import SequenceBatch, micro_batches, policy_forward, value_forward
 from polyrl.core.trainer.experience import TrainingAborted
 

@@ -55,8 +55,8 @@ class Backend:
     rollout_engines: ClassVar[tuple[str, ...]] = ("hf",)
     is_reference: ClassVar[bool] = False  # the cpu backend: the fallback, not an accelerator
     # "module:function" of the varlen attention kernel, with the signature of
-    # polyrl.core.reference_attention.reference_varlen_attention (the default: the exact reference).
-    attention_kernel: ClassVar[str] = "polyrl.core.reference_attention:reference_varlen_attention"
+    # polyrl.core.attention.reference.reference_varlen_attention (the default: the exact reference).
+    attention_kernel: ClassVar[str] = "polyrl.core.attention.reference:reference_varlen_attention"
 
     # Filled in by the plugin manager: the distribution the backend came from.
     distribution: str = ""

@@ -6,7 +6,7 @@ config and the tokenizer files into ``<ckpt_root>/hf/`` (JSON and tokenizer file
 code), loads the actor weights from the DCP checkpoint (any world size: DCP gathers the shards into the
 full tensors), and writes ``save_pretrained`` output that ``AutoModelForCausalLM.from_pretrained``
 loads. Nothing on the way unpickles: the config and tokenizer are JSON, the weights come through
-polyrl.core.checkpoint's safe reader, and the output is safetensors.
+polyrl.core.run.checkpoint's safe reader, and the output is safetensors.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from polyrl.core.checkpoint import load_model_weights, resolve_checkpoint
 from polyrl.core.errors import BadInputError
+from polyrl.core.run.checkpoint import load_model_weights, resolve_checkpoint
 
 if TYPE_CHECKING:
     from torch import nn

@@ -121,7 +121,7 @@ def polyrl_attention_forward(
     -> (out [B, Sq, Hq, Dv], None)."""
     import torch
 
-    from polyrl.core.attention import decode_attention, varlen_attention
+    from polyrl.core.attention.op import decode_attention, varlen_attention
 
     if dropout:
         raise ValueError(f"attn_implementation={NAME!r} has no attention dropout (got {dropout}); set it to 0")

@@ -4,7 +4,7 @@ Two forms share one semantics (DESIGN.md "Public API contract", REFERENCE.md §1
 
 - :func:`varlen_attention` — training: packed documents, no padding, one query per key. It validates its
   inputs once here and dispatches to the active (or named) backend, whose ``varlen_attention`` is a native
-  kernel or the exact reference of :mod:`polyrl.core.reference_attention`.
+  kernel or the exact reference of :mod:`polyrl.core.attention.reference`.
 - :func:`decode_attention` — generation: a batch of queries sitting at the END of a KV cache
   (q_len <= k_len, bottom-right aligned) with a key padding mask (left padding). It is dense over the
   cache (chunked over queries) and runs the same fp32 math on every backend for now: no backend provides a
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from polyrl.core.backend import Backend
+    from polyrl.core.plugins.backend import Backend
 
 DECODE_QUERY_CHUNK = 256  # queries per dense tile in decode_attention: bounds memory at chunk x k_len
 
@@ -72,7 +72,7 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> None:
 
 
 def _pick_backend(backend: str | Backend | None) -> Backend:
-    from polyrl.core.selection import get_active_backend, resolve_backend
+    from polyrl.core.plugins.selection import get_active_backend, resolve_backend
 
     if backend is None:
         return get_active_backend()

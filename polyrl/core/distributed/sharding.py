@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from polyrl.core.backend import Backend
+    from polyrl.core.plugins.backend import Backend
 
 # Attribute paths where decoder layers live in the model families polyrl trains (HF causal LMs keep
 # them at ``model.layers``; a critic wrapping a backbone at ``backbone.model.layers``).

@@ -23,7 +23,7 @@ from polyrl.core.errors import BadInputError
 if TYPE_CHECKING:
     import torch
 
-    from polyrl.core.backend import Backend
+    from polyrl.core.plugins.backend import Backend
 
 # Variables torchrun sets in every worker; their presence is how a process knows it is one rank of many.
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

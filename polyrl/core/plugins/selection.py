@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import os
 
-from polyrl.core.backend import Backend
 from polyrl.core.errors import BackendSelectionError
-from polyrl.core.plugins import get_registry
+from polyrl.core.plugins.backend import Backend
+from polyrl.core.plugins.registry import get_registry
 
 _active: Backend | None = None
 
@@ -65,3 +65,9 @@ def set_active_backend(name: str | None) -> Backend:
 def reset_active_backend() -> None:
     global _active
     _active = None
+
+
+def reset_registry() -> None:
+    """Forget the loaded plugins and the active backend (tests that install or allow plugins)."""
+    get_registry.cache_clear()
+    reset_active_backend()

@@ -20,9 +20,9 @@ from typing import Any
 
 import pluggy
 
-from polyrl.core import hookspecs
-from polyrl.core.backend import Backend
 from polyrl.core.errors import BackendSelectionError
+from polyrl.core.plugins import hookspecs
+from polyrl.core.plugins.backend import Backend
 
 ENTRY_POINT_GROUP = "polyrl.backends"
 OWN_DISTRIBUTION = "polyrl"
@@ -119,12 +119,6 @@ def get_registry() -> PluginRegistry:
     """The process-wide registry, loaded on first use. ``reset_registry()`` forgets it (tests)."""
     return _load_registry()
 
-
-def reset_registry() -> None:
-    get_registry.cache_clear()
-    from polyrl.core import selection
-
-    selection.reset_active_backend()
 
 
 def list_backends() -> dict[str, Backend]:
