@@ -124,7 +124,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     # Collective on every rank, unconditionally: rank 0 decides (a missing directory means a fresh run)
     # and broadcasts; a per-rank is_dir() test races with rank 0 creating the directory and deadlocks.
     resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(),
-                                     device_type=backend.device_type)
+                                     backend=backend)
     run_dir.open(config_yaml, resume_step=resumed)
     from polyrl.core.run.export import save_model_metadata
 

@@ -7,6 +7,7 @@ polyrl.core, which is what the other backends are measured against.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
@@ -22,6 +23,25 @@ class CpuBackend(Backend):
 
     def detect(self) -> Availability:
         return Availability(True, "")
+
+    # The host is the device: nothing to bind, collectives (gloo) take host tensors, the CPU generator is
+    # torch's default one (saved with the checkpoint's "torch" RNG state already).
+    def device(self, local_rank: int = 0) -> Any:
+        import torch
+
+        return torch.device("cpu")
+
+    def bind_device(self, local_rank: int = 0) -> Any:
+        return self.device(local_rank)
+
+    def process_group_options(self, local_rank: int = 0) -> dict[str, Any]:
+        return {}  # gloo binds no device
+
+    def device_rng_state(self) -> Any:
+        return None
+
+    def set_device_rng_state(self, state: Any) -> None:
+        return None
 
     def sharding_policy(self) -> ShardingPolicy:
         # fp32 params and reductions: the CPU run is the numerical reference for parity.

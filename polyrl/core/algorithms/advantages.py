@@ -10,7 +10,7 @@ Semantics follow verl so that numbers carry over:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,12 +49,25 @@ def last_token_rewards(seq_scores: torch.Tensor, mask: torch.Tensor) -> torch.Te
     return out
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, *,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """(v − mean) · rsqrt(var + eps) over the valid entries, var with Bessel's n/(n−1) correction.
 
     With a single valid entry the variance is taken as 0. Masked entries of the result are 0.
+    ``reduce_sum``: when the valid entries are spread over several processes, a function that sums a tensor
+    over them (an all-reduce); the statistics are then the global batch's: sum, sum of squares and count are
+    reduced in fp64 and the variance is E[v²] − mean² (one pass, so one reduction).
     Args: values [B, T]; mask [B, T]. Returns: [B, T].
     """
+    if reduce_sum is not None:
+        m = mask.to(torch.float64)
+        v = values.to(torch.float64) * m
+        total, total_sq, n = reduce_sum(torch.stack([v.sum(), (v * v).sum(), m.sum()])).tolist()
+        mean = total / max(n, 1.0)
+        var = max(total_sq / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
+        return ((values.float() - mean) * (var + eps) ** -0.5) * mask.to(values.dtype)
     n = mask.to(values.dtype).sum()
     mean = masked_mean(values, mask)
     centered = values - mean

@@ -44,6 +44,9 @@ class DistContext:
         return self.rank == 0
 
 
+_comm_device: Any = None  # set by init_distributed from the backend: where collective buffers live
+
+
 def under_torchrun(env: Mapping[str, str] | None = None) -> bool:
     """True inside a torchrun worker (the launcher must not launch again)."""
     env = os.environ if env is None else env
@@ -71,27 +74,25 @@ def init_distributed(backend: Backend, *, timeout_s: float | None = None) -> Dis
     """
     import torch.distributed as dist
 
+    global _comm_device
     apply_env_defaults(backend)
     if not under_torchrun():
-        return DistContext(0, 1, 0, backend.device(0), dist.is_available() and dist.is_initialized())
+        return DistContext(0, 1, 0, backend.bind_device(0), dist.is_available() and dist.is_initialized())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     backend.check_world_size(world_size)
     if not dist.is_available():
         raise BadInputError("this torch build has no torch.distributed; run without --nproc")
-    device = backend.device(local_rank)
+    # Bind the rank to its device first so the collective library does not guess.
+    device = backend.bind_device(local_rank)
+    _comm_device = backend.comm_device(local_rank)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend.collective_backend, "rank": rank, "world_size": world_size}
         if timeout_s is not None:
             import datetime
 
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        if backend.device_type != "cpu":
-            # Bind the rank to its device first so the collective library does not guess.
-            import torch
-
-            torch.get_device_module(backend.device_type).set_device(device)
-            kwargs["device_id"] = device
+        kwargs.update(backend.process_group_options(local_rank))
         dist.init_process_group(**kwargs)
     return DistContext(rank, world_size, local_rank, device, True)
 
@@ -177,15 +178,11 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy on the accelerator when the collective library cannot reduce host tensors (nccl, hccl);
-    the tensor itself under gloo. Callers keep passing CPU scalars whatever the backend."""
-    import torch
-    import torch.distributed as dist
-
-    if tensor.device.type != "cpu" or dist.get_backend() == "gloo":
+    """``tensor`` where the backend's collective library wants it (``Backend.comm_device``: the accelerator
+    for nccl/hccl, the host for gloo). Callers pass tensors wherever they have them, host scalars included."""
+    if _comm_device is None or tensor.device == _comm_device:
         return tensor
-    accelerator = torch.accelerator.current_accelerator()
-    return tensor.to(accelerator) if accelerator is not None else tensor
+    return tensor.to(_comm_device)
 
 
 def all_reduce_metrics(

@@ -103,13 +103,54 @@ class Backend:
                 f"{self.collective_backend} (refused sizes: {list(refused)})"
             )
 
+    # --- device placement ----------------------------------------------------------------------
+    # The one place that decides where things live (core never compares device types). The rule, for every
+    # built-in backend (docs/devices.md): models, training batches, scores, masks and advantages live on
+    # ``device(local_rank)``; every random generator the trainer owns lives on the CPU (``generator``), so a
+    # checkpoint's generator states load on any backend; sampling draws its uniforms from a counter-based hash
+    # on the compute device (polyrl.core.rollout.sampling), so no device generator is ever consumed.
     def device(self, local_rank: int = 0) -> Any:
-        """The torch device for this process. Only called once a run has started."""
+        """The torch device of this process's rank. Only called once a run has started."""
         import torch
 
-        if self.device_type == "cpu":
-            return torch.device("cpu")
         return torch.device(self.device_type, local_rank)
+
+    def bind_device(self, local_rank: int = 0) -> Any:
+        """Make ``device(local_rank)`` the process's current device (before the process group exists, so the
+        collective library does not guess); returns it. The default uses torch's device-generic module."""
+        import torch
+
+        device = self.device(local_rank)
+        torch.get_device_module(self.device_type).set_device(device)
+        return device
+
+    def comm_device(self, local_rank: int = 0) -> Any:
+        """Where tensors handed to a collective must live (nccl/hccl reduce device memory only)."""
+        return self.device(local_rank)
+
+    def process_group_options(self, local_rank: int = 0) -> dict[str, Any]:
+        """Extra ``init_process_group`` arguments: by default the bound device (eager connection set-up)."""
+        return {"device_id": self.device(local_rank)}
+
+    def generator(self, seed: int) -> Any:
+        """A seeded random generator for host-side decisions (sampling seeds, mini-batch shuffles): on the CPU,
+        so that its state is portable across backends and the streams are the same everywhere."""
+        import torch
+
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+    def device_rng_state(self) -> Any:
+        """The device's default generator state for a checkpoint (None when the device has none of its own)."""
+        import torch
+
+        return torch.get_device_module(self.device_type).get_rng_state()
+
+    def set_device_rng_state(self, state: Any) -> None:
+        if state is None:
+            return
+        import torch
+
+        torch.get_device_module(self.device_type).set_rng_state(state)
 
     # --- reporting -----------------------------------------------------------------------------
     def kernels_fallback(self) -> list[str]:

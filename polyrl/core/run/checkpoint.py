@@ -44,6 +44,8 @@ from polyrl.core.errors import BadInputError
 if TYPE_CHECKING:
     from torch import nn
 
+    from polyrl.core.plugins.backend import Backend
+
 log = logging.getLogger(__name__)
 
 COMPLETE_MARKER = "COMPLETE"
@@ -165,8 +167,11 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 # --- RNG ---------------------------------------------------------------------------------------------
-def rng_state(device_type: str = "cpu") -> dict[str, Any]:
-    """Every RNG the loop may draw from, in weights_only-loadable types (tensors, ints, lists)."""
+def rng_state(backend: Backend | None = None) -> dict[str, Any]:
+    """Every RNG the loop may draw from, in weights_only-loadable types (tensors, ints, lists).
+
+    The device's default generator is asked of the backend and tagged with its device type: a checkpoint
+    restores it only on a device of the same type (a CUDA generator state means nothing to an NPU)."""
     import numpy as np
     import torch
 
@@ -177,12 +182,13 @@ def rng_state(device_type: str = "cpu") -> dict[str, Any]:
         "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(float, np_state[2:])],
         "torch": torch.get_rng_state(),
     }
-    if device_type != "cpu":
-        state["device"] = torch.get_device_module(device_type).get_rng_state()
+    device_state = backend.device_rng_state() if backend is not None else None
+    if device_state is not None:
+        state["device"] = {"type": backend.device_type, "state": device_state}
     return state
 
 
-def set_rng_state(state: Mapping[str, Any], device_type: str = "cpu") -> None:
+def set_rng_state(state: Mapping[str, Any], backend: Backend | None = None) -> None:
     import numpy as np
     import torch
 
@@ -191,8 +197,9 @@ def set_rng_state(state: Mapping[str, Any], device_type: str = "cpu") -> None:
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), cached))
     torch.set_rng_state(state["torch"])
-    if device_type != "cpu" and "device" in state:
-        torch.get_device_module(device_type).set_rng_state(state["device"])
+    saved = state.get("device")
+    if backend is not None and isinstance(saved, Mapping) and saved.get("type") == backend.device_type:
+        backend.set_device_rng_state(saved["state"])
 
 
 # --- finding checkpoints ------------------------------------------------------------------------------
@@ -255,8 +262,8 @@ def _dcp_state(state: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _extra_state(state: Mapping[str, Any], device_type: str) -> dict[str, Any]:
-    extra: dict[str, Any] = {"rng": rng_state(device_type)}
+def _extra_state(state: Mapping[str, Any], backend: Backend | None) -> dict[str, Any]:
+    extra: dict[str, Any] = {"rng": rng_state(backend)}
     for key in _EXTRA_KEYS:
         obj = state.get(key)
         if obj is not None:
@@ -288,7 +295,7 @@ def save_checkpoint(
     state: Mapping[str, Any],
     *,
     keep: int | None = None,
-    device_type: str = "cpu",
+    backend: Backend | None = None,
 ) -> Path:
     """Write checkpoint ``step`` of ``state`` (the trainer's dict) under ``ckpt_dir``; collective.
 
@@ -309,7 +316,7 @@ def save_checkpoint(
     D.barrier()
     with _quiet_single_process():
         dcp.save(_dcp_state(state), checkpoint_id=str(tmp))
-    extra = _extra_state(state, device_type)
+    extra = _extra_state(state, backend)
     (tmp / "extra").mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
     torch.save(extra, buf)
@@ -360,7 +367,7 @@ def _prune(root: Path, keep: int) -> None:
 
 
 # --- load ---------------------------------------------------------------------------------------------
-def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, device_type: str = "cpu") -> int:
+def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, backend: Backend | None = None) -> int:
     """Load a complete checkpoint directory into ``state`` in place; collective. Returns its step.
 
     The world size may differ from the one that wrote it (DCP reshards model and optimizer). Per-rank
@@ -392,7 +399,7 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, d
         if state.get(key) is not None and key in extra:
             state[key].load_state_dict(extra[key])
     if own.is_file():
-        set_rng_state(extra["rng"], device_type)
+        set_rng_state(extra["rng"], backend)
     else:
         # A rank that did not exist when the checkpoint was written keeps its own (seed-derived) RNG
         # rather than cloning rank 0's stream.
@@ -401,7 +408,7 @@ def load_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any], *, d
 
 
 def load_latest_checkpoint(
-    ckpt_dir: str | os.PathLike[str], state: Mapping[str, Any], *, device_type: str = "cpu"
+    ckpt_dir: str | os.PathLike[str], state: Mapping[str, Any], *, backend: Backend | None = None
 ) -> int | None:
     """Resume from the newest complete checkpoint under ``ckpt_dir``; None when there is none.
 
@@ -412,7 +419,7 @@ def load_latest_checkpoint(
     found = D.broadcast_object(str(found) if found is not None else None)
     if found is None:
         return None
-    step = load_checkpoint(found, state, device_type=device_type)
+    step = load_checkpoint(found, state, backend=backend)
     log.info("resumed from %s (step %d)", found, step)
     return step
 

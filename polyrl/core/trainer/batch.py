@@ -32,8 +32,10 @@ class SequenceBatch:
 
     @classmethod
     def from_rollout(
-        cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], group_ids: list
+        cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], group_ids: list,
+        *, device: torch.device | str = "cpu",
     ) -> SequenceBatch:
+        """Built on the host (Python lists), moved to ``device`` (``Backend.device``) in one copy each."""
         B = len(prompts)
         R = max(1, max(len(r) for r in responses))
         mask = torch.zeros(B, R)
@@ -41,7 +43,7 @@ class SequenceBatch:
         for i, (resp, resp_lp) in enumerate(zip(responses, logprobs)):
             mask[i, : len(resp)] = 1.0
             lp[i, : len(resp)] = torch.tensor(resp_lp, dtype=torch.float32)
-        return cls(list(prompts), list(responses), list(group_ids), mask, lp)
+        return cls(list(prompts), list(responses), list(group_ids), mask.to(device), lp.to(device))
 
 
 def micro_batches(lengths: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -115,7 +117,7 @@ def _layout(batch: SequenceBatch, rows: Sequence[int], packed: bool, pad_id: int
         ids_t = torch.full((len(seqs), L), pad_id, dtype=torch.long, device=device)
         att = torch.zeros((len(seqs), L), dtype=torch.long, device=device)
         for i, (r, s) in enumerate(zip(rows, seqs)):
-            ids_t[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+            ids_t[i, : len(s)] = torch.tensor(s, dtype=torch.long)  # host → device copy per row (unpacked path)
             att[i, : len(s)] = 1
             P = len(batch.prompts[r])
             n = len(batch.responses[r])
@@ -124,12 +126,12 @@ def _layout(batch: SequenceBatch, rows: Sequence[int], packed: bool, pad_id: int
             dst_col += range(n)
         kwargs = {"input_ids": ids_t, "attention_mask": att}
     labels = torch.tensor([t for r in rows for t in batch.responses[r]], dtype=torch.long, device=device)
-    return kwargs, torch.tensor(gather, dtype=torch.long, device=device), (dst_row, dst_col), labels
+    dst = (torch.tensor(dst_row, dtype=torch.long, device=device), torch.tensor(dst_col, dtype=torch.long, device=device))
+    return kwargs, torch.tensor(gather, dtype=torch.long, device=device), dst, labels
 
 
-def _scatter(values: torch.Tensor, dst: tuple[list[int], list[int]], b: int, R: int) -> torch.Tensor:
-    out = values.new_zeros(b, R)
-    return out.index_put((torch.tensor(dst[0], dtype=torch.long), torch.tensor(dst[1], dtype=torch.long)), values)
+def _scatter(values: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor], b: int, R: int) -> torch.Tensor:
+    return values.new_zeros(b, R).index_put(dst, values)
 
 
 def policy_forward(
@@ -170,7 +172,7 @@ def value_forward(
 def forward_all(fn: Callable[[list[int]], torch.Tensor], batch: SequenceBatch, max_tokens: int) -> torch.Tensor:
     """Run ``fn`` over micro-batches of the whole batch (no grad) and stitch the [B, R] result."""
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
-    out = torch.zeros_like(batch.mask)
+    out = torch.zeros_like(batch.mask)  # on the batch's device
     for rows in micro_batches(lengths, list(range(batch.size)), max_tokens):
-        out[rows] = fn(rows).float()
+        out[torch.tensor(rows, device=out.device)] = fn(rows).float()
     return out

@@ -29,10 +29,31 @@ class TrainingAborted(RuntimeError):
 
 
 @dataclasses.dataclass
+class Rollout:
+    """What generation needs, built once by the trainer: the task (prompts and scores), the tokenizer, the
+    engine and its sampling parameters, the CPU generator of per-sequence sampling seeds, and the device the
+    training batch is built on (``Backend.device``)."""
+
+    task: Any
+    tokenizer: Any
+    engine: Any
+    sampling: SamplingParams
+    sample_gen: torch.Generator
+    task_rng: Any  # random.Random of the prompt stream
+    device: torch.device
+
+
+@dataclasses.dataclass
 class Experience:
     batch: SequenceBatch | None  # None when dynamic sampling kept nothing
-    scores: torch.Tensor  # [B] shaped sequence scores (task score + overlong penalty)
+    scores: torch.Tensor  # [B] shaped sequence scores (task score + overlong penalty), on the batch's device
     metrics: dict[str, float]
+    # counters of this step, as values (the trainer accumulates them into TrainerState.counters)
+    gen_batches: int = 0
+    groups_filtered: int = 0
+    overlong_penalized: int = 0
+    reward_errors: int = 0
+    reward_timeouts: int = 0
 
 
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
@@ -55,12 +76,12 @@ def _row_seeds(gen: torch.Generator, first_row: int, count: int) -> list[int]:
     return [(base ^ ((first_row + i + 1) * 0x9E3779B97F4A7C15)) & (2**63 - 1) for i in range(count)]
 
 
-def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list, first_row: int = 0) -> dict[str, Any]:
+def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: int = 0) -> dict[str, Any]:
     """One generation batch on this rank: per sequence prompt, response, logprobs, group, score.
 
     ``first_row``: global index of this rank's first sequence (for the per-sequence sampling seeds).
     """
-    tok, n = ctx.tokenizer, cfg.rollout.n
+    tok, n = ro.tokenizer, cfg.rollout.n
     prompts = []
     truncated = 0
     for ex in examples:
@@ -70,11 +91,11 @@ def _generate_and_score(cfg: RunConfig, ctx: Any, examples: list, first_row: int
         prompts.append(ids)
     seq_prompts = [p for p in prompts for _ in range(n)]
     seq_examples = [ex for ex in examples for _ in range(n)]
-    seeds = _row_seeds(ctx.state.sample_gen, first_row, len(seq_prompts))
-    out = ctx.engine.generate(seq_prompts, ctx.sampling, generator=ctx.state.sample_gen, row_seeds=seeds)
-    stop = set(ctx.sampling.stop_token_ids)
+    seeds = _row_seeds(ro.sample_gen, first_row, len(seq_prompts))
+    out = ro.engine.generate(seq_prompts, ro.sampling, row_seeds=seeds)
+    stop = set(ro.sampling.stop_token_ids)
     texts = [decode_response(tok, r, stop) for r in out.response_ids]
-    raw, stats = score_batch(ctx.task, seq_examples, texts, timeout_s=cfg.data.reward_timeout_s)
+    raw, stats = score_batch(ro.task, seq_examples, texts, timeout_s=cfg.data.reward_timeout_s)
     lengths = torch.tensor([len(r) for r in out.response_ids], dtype=torch.float32)
     raw_t = torch.tensor(raw, dtype=torch.float32)
     ov = cfg.algorithm.overlong
@@ -139,7 +160,7 @@ def _rank_share(kept: list[dict[str, Any]]) -> dict[str, Any]:
     return _select(rows, [i for i, g in enumerate(rows["group_ids"]) if g in mine])
 
 
-def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
+def collect_experience(cfg: RunConfig, ro: Rollout) -> Experience:
     """Generate on this rank's slice of the prompts, then decide over the global batch (identically on every
     rank) which groups to keep, and train on this rank's share of them."""
     ds = cfg.algorithm.dynamic_sampling
@@ -149,8 +170,8 @@ def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
     seen: list[dict[str, Any]] = []  # every generated sequence (global), for the reward/length metrics
     t0 = time.perf_counter()
     while True:
-        examples = D.shard_for_rank(ctx.task.sample(target, ctx.state.task_rng))
-        part = _generate_and_score(cfg, ctx, examples, first_row=D.rank_slice(target).start * cfg.rollout.n)
+        examples = D.shard_for_rank(ro.task.sample(target, ro.task_rng))
+        part = _generate_and_score(cfg, ro, examples, first_row=D.rank_slice(target).start * cfg.rollout.n)
         part = _gather_global(part)
         seen.append(part)
         gen_batches += 1
@@ -184,11 +205,17 @@ def collect_experience(cfg: RunConfig, ctx: Any) -> Experience:
     metrics = _rollout_metrics(cfg, seen)
     metrics.update({"dapo/gen_batches": gen_batches, "dapo/groups_filtered": filtered_groups,
                     "dapo/groups_kept": kept_groups, "time/rollout_s": rollout_s})
+    counts = dict(
+        gen_batches=gen_batches, groups_filtered=filtered_groups,
+        overlong_penalized=int(metrics["dapo/overlong_penalized"]),
+        reward_errors=int(metrics["reward/errors"]), reward_timeouts=int(metrics["reward/timeouts"]),
+    )
     mine = _rank_share(kept)
     if not mine["prompts"]:
-        return Experience(None, torch.zeros(0), metrics)
-    batch = SequenceBatch.from_rollout(mine["prompts"], mine["responses"], mine["logprobs"], mine["group_ids"])
-    return Experience(batch, mine["shaped"], metrics)
+        return Experience(None, torch.zeros(0, device=ro.device), metrics, **counts)
+    batch = SequenceBatch.from_rollout(mine["prompts"], mine["responses"], mine["logprobs"], mine["group_ids"],
+                                       device=ro.device)
+    return Experience(batch, mine["shaped"].to(ro.device), metrics, **counts)
 
 
 def _rollout_metrics(cfg: RunConfig, seen: list[dict[str, Any]]) -> dict[str, float]:

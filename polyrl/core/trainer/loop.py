@@ -23,10 +23,10 @@ from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
 from polyrl.core.rollout import build_engine
 from polyrl.core.trainer.batch import SequenceBatch, forward_all, policy_forward, value_forward
-from polyrl.core.trainer.experience import TrainingAborted, collect_experience, sampling_params
+from polyrl.core.trainer.experience import Rollout, TrainingAborted, collect_experience, sampling_params
 from polyrl.core.trainer.setup import build_kl_controller, build_models, build_task, build_tokenizer, check_config
 from polyrl.core.trainer.state import TrainerState
-from polyrl.core.trainer.update import update_actor, update_critic
+from polyrl.core.trainer.update import Learner, update_actor, update_critic
 
 __all__ = ["Trainer", "TrainingAborted", "fit", "seed_everything"]
 
@@ -44,6 +44,12 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
+    """Everything a run needs, built once from the config (every user mistake surfaces here as
+    ``BadInputError``, before a run directory exists), and ``step()``: one training step, top to bottom.
+
+    Where things live is the backend's decision (``Backend.device`` / ``Backend.generator``): models and every
+    tensor of the training batch on ``self.device``; the generators on the CPU."""
+
     def __init__(self, cfg: RunConfig, backend: Any, device: torch.device | None = None) -> None:
         check_config(cfg)
         self.cfg = cfg
@@ -56,19 +62,25 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg, self.task)
         tiny_vocab = len(self.tokenizer) if self.task.vocab() else None
         self.models = build_models(cfg, tiny_vocab, backend, self.device)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.state = TrainerState(cfg.trainer.seed, self.task, build_kl_controller(cfg), backend.generator)
+        pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Packing needs an attention that splits documents by position_ids; others get padded rows.
-        self.packed = cfg.model.attn_implementation == "polyrl"
-        self.engine = build_engine(cfg.rollout.engine, self.models.actor, pad_token_id=self.pad_id)
-        self.sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
-        self.state = TrainerState(cfg.trainer.seed, self.task, build_kl_controller(cfg), self.device)
+        packed = cfg.model.attn_implementation == "polyrl"
+        self.engine = build_engine(cfg.rollout.engine, self.models.actor, pad_token_id=pad_id)
+        self.rollout = Rollout(
+            task=self.task, tokenizer=self.tokenizer, engine=self.engine,
+            sampling=sampling_params(cfg, self.tokenizer.eos_token_id), sample_gen=self.state.sample_gen,
+            task_rng=self.state.task_rng, device=self.device,
+        )
+        m, c = self.models, self.state.counters
+        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id)
+        self.critic = Learner(m.critic, m.critic_optimizer, self.state.shuffle_gen, c, packed, pad_id) if m.critic else None
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        cfg = self.cfg
         t0 = time.perf_counter()
         # 1-2. rollout and reward (with overlong shaping and DAPO dynamic sampling)
-        exp = collect_experience(cfg, self)
+        exp = collect_experience(self.cfg, self.rollout)
         metrics = dict(exp.metrics)
         if exp.batch is not None:
             metrics.update(self._learn(exp.batch, exp.scores))
@@ -79,13 +91,14 @@ class Trainer:
             self.models.scheduler.step()
             if self.models.critic_scheduler is not None:
                 self.models.critic_scheduler.step()
+        # 6. the engine generates with the new weights from the next step on
         self.engine.sync_weights(self.models.actor)
         c = self.state.counters
-        c.gen_batches += int(metrics["dapo/gen_batches"])
-        c.groups_filtered += int(metrics["dapo/groups_filtered"])
-        c.overlong_penalized += int(metrics["dapo/overlong_penalized"])
-        c.reward_errors += int(metrics["reward/errors"])
-        c.reward_timeouts += int(metrics["reward/timeouts"])
+        c.gen_batches += exp.gen_batches
+        c.groups_filtered += exp.groups_filtered
+        c.overlong_penalized += exp.overlong_penalized
+        c.reward_errors += exp.reward_errors
+        c.reward_timeouts += exp.reward_timeouts
         metrics["train/nonfinite_skipped"] = c.nonfinite_skipped
         metrics["train/skipped_no_data"] = int(exp.batch is None)
         self.state.step += 1
@@ -93,19 +106,22 @@ class Trainer:
         metrics = D.all_reduce_metrics(metrics, ops={"time/step_s": "max", "time/rollout_s": "max"})
         return {"step": self.state.step, **metrics}
 
+    def _forward_kwargs(self) -> dict[str, Any]:
+        return dict(packed=self.actor.packed, pad_id=self.actor.pad_id)
+
     def _learn(self, batch: SequenceBatch, scores: torch.Tensor) -> dict[str, float]:
         cfg, alg = self.cfg, self.cfg.algorithm
         m = self.models
         t0 = time.perf_counter()
         budget = cfg.algorithm.micro_batch_tokens
         mask = batch.mask
+        fw = self._forward_kwargs()
+        lp = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size)
         # 3. old log-probs (the trainer's view of the behaviour policy), reference, critic values
         ent = torch.zeros_like(mask)
 
         def actor_fn(rows: list[int]) -> torch.Tensor:
-            logp, e = policy_forward(m.actor, batch, rows, packed=self.packed, pad_id=self.pad_id,
-                                     temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size,
-                                     compute_entropy=True)
+            logp, e = policy_forward(m.actor, batch, rows, **fw, **lp, compute_entropy=True)
             ent[rows] = e.detach()
             return logp
 
@@ -117,15 +133,12 @@ class Trainer:
         ref_logp = None
         if m.ref is not None:
             ref_logp = forward_all(
-                lambda rows: policy_forward(m.ref, batch, rows, packed=self.packed, pad_id=self.pad_id,
-                                            temperature=cfg.rollout.temperature,
-                                            chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=False)[0],
-                batch, budget)
+                lambda rows: policy_forward(m.ref, batch, rows, **fw, **lp, compute_entropy=False)[0], batch, budget)
             metrics["kl/actor_ref"] = _global_mean(A.kl_penalty(old_logp, ref_logp, "k1"), mask)
         values = None
         if m.critic is not None:
-            values = forward_all(lambda rows: value_forward(m.critic, batch, rows, packed=self.packed,
-                                                            pad_id=self.pad_id), batch, budget)
+            values = forward_all(lambda rows: value_forward(m.critic, batch, rows, **fw), batch, budget)
+        metrics["time/old_logprob_s"] = time.perf_counter() - t0
         # 4. token rewards (score on the last token, minus β·KL) and advantages
         token_rewards = A.last_token_rewards(scores, mask)
         if alg.use_kl_in_reward and ref_logp is not None:
@@ -133,12 +146,10 @@ class Trainer:
                                                          alg.kl_kind)
             metrics["kl/reward_kl"], metrics["kl/coef"] = kl_m["kl"], kl_m["kl_coef"]
         returns = None
-        if alg.adv_estimator == "gae" and D.is_distributed():
-            # whitening statistics must be those of the global batch, not of this rank's share
+        if alg.adv_estimator == "gae":
+            # whitening statistics are those of the global batch, not of this rank's share
             advantages, returns = A.gae_advantages(token_rewards, values, mask, alg.gamma, alg.lam, whiten=False)
-            advantages = _whiten_over_ranks(advantages, mask)
-        elif alg.adv_estimator == "gae":
-            advantages, returns = A.gae_advantages(token_rewards, values, mask, alg.gamma, alg.lam)
+            advantages = A.masked_whiten(advantages, mask, reduce_sum=D.all_reduce_ if D.is_distributed() else None)
         else:
             seq = A.sequence_scores(token_rewards, mask)
             advantages = A.broadcast_to_tokens(A.group_advantages(seq, batch.group_ids, norm_by_std=alg.norm_adv_by_std),
@@ -148,11 +159,11 @@ class Trainer:
         metrics["time/prepare_s"] = time.perf_counter() - t0
         # 5. updates: critic first (its targets are fixed), then the actor after the critic warmup
         t1 = time.perf_counter()
-        if m.critic is not None:
-            metrics.update(update_critic(cfg, self, batch, values, returns))
+        if self.critic is not None:
+            metrics.update(update_critic(cfg, self.critic, batch, values, returns))
             metrics["critic/explained_var"] = _explained_variance(values, returns, mask)
         if self.state.step >= alg.critic_warmup_steps:
-            metrics.update(update_actor(cfg, self, batch, old_logp, ref_logp, advantages))
+            metrics.update(update_actor(cfg, self.actor, batch, old_logp, ref_logp, advantages))
         metrics["time/update_s"] = time.perf_counter() - t1
         return metrics
 
@@ -177,18 +188,6 @@ def _global_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
     stats = D.all_reduce_(torch.stack([(values.detach().to(torch.float64) * m).sum(), m.sum()]))
     total, count = stats.tolist()
     return total / max(count, 1.0)
-
-
-def _whiten_over_ranks(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``A.masked_whiten`` over the whole batch across ranks: sum, sum of squares and count all-reduced
-    (fp64), unbiased variance, masked entries 0."""
-    m = mask.to(torch.float64)
-    v = values.to(torch.float64) * m
-    stats = D.all_reduce_(torch.stack([v.sum(), (v * v).sum(), m.sum()]))
-    total, total_sq, n = stats.tolist()
-    mean = total / max(n, 1.0)
-    var = max(total_sq / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)
-    return ((values.float() - mean) * (var + eps) ** -0.5) * mask.to(values.dtype)
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
@@ -226,7 +225,7 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
             if (cfg.save_every > 0 and step % cfg.save_every == 0) or step == cfg.total_steps:
                 if trainer.weights_finite():
                     save_checkpoint(run_dir.checkpoints, step, trainer.checkpoint_state(),
-                                    keep=cfg.keep_checkpoints or None, device_type=trainer.backend.device_type)
+                                    keep=cfg.keep_checkpoints or None, backend=trainer.backend)
                 elif log is not None:
                     log(f"step {step}: weights are not finite; checkpoint not written")
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,13 +27,14 @@ class Counters:
 
 
 class TrainerState:
-    def __init__(self, seed: int, task: Any, kl_ctrl: Any, device: Any = "cpu") -> None:
+    def __init__(self, seed: int, task: Any, kl_ctrl: Any, generator: Callable[[int], torch.Generator]) -> None:
+        """``generator(seed)``: the backend's generator factory (``Backend.generator``, CPU generators for every
+        built-in backend, so the saved states load on any backend)."""
         self.step = 0  # training steps completed
         self.task = task
         self.task_rng = random.Random(seed)
-        # sampling runs where the model is; shuffling mini-batch indices stays on the CPU
-        self.sample_gen = torch.Generator(device=device).manual_seed(seed + 1)
-        self.shuffle_gen = torch.Generator().manual_seed(seed + 2)
+        self.sample_gen = generator(seed + 1)  # per-sequence sampling seeds
+        self.shuffle_gen = generator(seed + 2)  # mini-batch shuffles
         self.kl_ctrl = kl_ctrl
         self.counters = Counters()
 

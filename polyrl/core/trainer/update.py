@@ -10,6 +10,7 @@ the run.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable
@@ -86,16 +87,29 @@ def _run_epochs(
     return {k: v / max(1, n_updates) for k, v in sums.items()}
 
 
+@dataclasses.dataclass
+class Learner:
+    """One trained model with what updates it: its optimizer, the CPU generator that shuffles mini-batches,
+    the packing of its forward passes, and the counters of skipped (non-finite) updates."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    shuffle_gen: torch.Generator
+    counters: Any  # TrainerState.Counters: nonfinite_skipped / nonfinite_in_row
+    packed: bool
+    pad_id: int
+
+
 def update_actor(
-    cfg: RunConfig, ctx: Any, batch: SequenceBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+    cfg: RunConfig, actor: Learner, batch: SequenceBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
     advantages: torch.Tensor,
 ) -> dict[str, float]:
     alg = cfg.algorithm
-    model = ctx.models.actor
+    model = actor.model
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
         logp, ent = policy_forward(
-            model, batch, rows, packed=ctx.packed, pad_id=ctx.pad_id, temperature=cfg.rollout.temperature,
+            model, batch, rows, packed=actor.packed, pad_id=actor.pad_id, temperature=cfg.rollout.temperature,
             chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=alg.entropy_coeff > 0,
         )
         mask, old, adv = batch.mask[rows], old_logp[rows], advantages[rows]
@@ -120,8 +134,8 @@ def update_actor(
         metrics["policy_loss_share"] = policy_share * n_tok / max(1.0, float(mask.sum()))
         return loss, metrics
 
-    out = _run_epochs(cfg, batch, ctx.state.shuffle_gen, micro_loss, list(model.parameters()), ctx.models.optimizer,
-                      ctx.state.counters, "actor")
+    out = _run_epochs(cfg, batch, actor.shuffle_gen, micro_loss, list(model.parameters()), actor.optimizer,
+                      actor.counters, "actor")
     metrics = {f"actor/{k}": v for k, v in out.items() if k not in ("policy_loss_share", "kl_loss", "loss")}
     metrics["loss/policy"] = out.get("policy_loss_share", 0.0)
     metrics["loss/total"] = out.get("loss", 0.0)
@@ -131,21 +145,21 @@ def update_actor(
 
 
 def update_critic(
-    cfg: RunConfig, ctx: Any, batch: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor
+    cfg: RunConfig, learner: Learner, batch: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor
 ) -> dict[str, float]:
     alg = cfg.algorithm
-    critic = ctx.models.critic
+    critic = learner.model
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
-        values = value_forward(critic, batch, rows, packed=ctx.packed, pad_id=ctx.pad_id)
+        values = value_forward(critic, batch, rows, packed=learner.packed, pad_id=learner.pad_id)
         mask = batch.mask[rows]
         loss, m = A.value_loss(values, old_values[rows], returns[rows], mask, clip=alg.value_clip,
                                agg=alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq,
                                max_len=cfg.rollout.max_response_length)
         return loss, {"vf_clipfrac": m["vf_clipfrac"], "vpred_mean": m["vpred_mean"]}
 
-    out = _run_epochs(cfg, batch, ctx.state.shuffle_gen, micro_loss, list(critic.parameters()),
-                      ctx.models.critic_optimizer, ctx.state.counters, "critic")
+    out = _run_epochs(cfg, batch, learner.shuffle_gen, micro_loss, list(critic.parameters()),
+                      learner.optimizer, learner.counters, "critic")
     metrics = {f"critic/{k}": v for k, v in out.items() if k != "loss"}
     metrics["loss/value"] = out.get("loss", 0.0)
     return metrics
