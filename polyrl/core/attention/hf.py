@@ -144,7 +144,9 @@ def polyrl_attention_forward(
         if cu_seq_lens_q is not None:
             if b != 1:
                 raise ValueError(f"cu_seq_lens_q describes a packed batch of one row, got batch size {b}")
-            if cu_seq_lens_k is not None and not torch.equal(cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
+            # identity first: comparing values of device tensors would stall the host in every layer
+            if cu_seq_lens_k is not None and cu_seq_lens_k is not cu_seq_lens_q and not torch.equal(
+                    cu_seq_lens_k.cpu(), cu_seq_lens_q.cpu()):
                 raise ValueError("cu_seq_lens_k must equal cu_seq_lens_q (self-attention over packed documents)")
             cu = cu_seq_lens_q.to(device=q.device, dtype=torch.int32)
         else:

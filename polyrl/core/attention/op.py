@@ -60,11 +60,20 @@ def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, sin
 
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, t: int) -> None:
+    """Shape and dtype always (free); the values only while ``cu_seqlens`` is on the host, where reading them
+    costs nothing. Reading a device tensor's values would stall the host once per attention call (every layer
+    of every forward), so a device-resident ``cu_seqlens`` must come from a validated builder:
+    :func:`validate_cu_seqlens` on the host lists, once per batch (the trainer's packing does this)."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1-D integer tensor [N+1] (0, end of doc 1, ..., T)")
     if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
         raise ValueError(f"cu_seqlens must be an integer tensor (int32), got {cu_seqlens.dtype}")
-    cu = cu_seqlens.tolist()
+    if cu_seqlens.is_cpu:
+        validate_cu_seqlens(cu_seqlens.tolist(), t)
+
+
+def validate_cu_seqlens(cu: list[int], t: int) -> None:
+    """The value rules of ``cu_seqlens`` on a host list: starts at 0, ends at T, non-decreasing."""
     if cu[0] != 0 or cu[-1] != t:
         raise ValueError(f"cu_seqlens must start at 0 and end at T={t}, got {cu[0]} .. {cu[-1]}")
     if any(b < a for a, b in itertools.pairwise(cu)):

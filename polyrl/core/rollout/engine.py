@@ -3,7 +3,7 @@
 An engine is whatever turns token-id prompts into sampled responses: the in-process ``hf`` engine
 (:mod:`polyrl.core.rollout.hf`), or a backend's vLLM engine. The trainer only sees this interface:
 
-    engine.generate(prompts, params, generator=g) -> RolloutOutput
+    engine.generate(prompts, params, row_seeds=[...]) -> RolloutOutput  # one sampling seed per prompt
     engine.sync_weights(model)       # after each update; a colocated engine sharing the model does nothing
 
 Log-prob convention: ``logprobs[i][t]`` is log softmax(logits / temperature) at the sampled token, taken
@@ -54,8 +54,12 @@ class RolloutEngine(Protocol):
     name: str
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None = None
-    ) -> RolloutOutput: ...
+        self, prompts: list[list[int]], params: SamplingParams, *, row_seeds: list[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> RolloutOutput:
+        """``row_seeds``: one sampling seed per prompt (the row's tokens depend on it alone); without them the
+        engine draws seeds from ``generator`` (a CPU generator)."""
+        ...
 
     def sync_weights(self, model: Any) -> None: ...
 

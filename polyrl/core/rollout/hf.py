@@ -16,6 +16,7 @@ import torch
 
 from polyrl.core import distributed as D
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
+from polyrl.core.rollout.sampling import sample_inverse_cdf, uniforms
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -55,13 +56,15 @@ class HFEngine:
         generator: torch.Generator | None = None,
         row_seeds: list[int] | None = None,
     ) -> RolloutOutput:
-        """``row_seeds`` (one per prompt): each row samples from its own generator, so a row's response does
-        not depend on which rows share its batch or its rank (N-process runs sample what 1 process does)."""
+        """``row_seeds`` (one int per prompt): token t of row i is drawn with the uniform ``hash(seed_i, t)``
+        (:mod:`polyrl.core.rollout.sampling`), so a row's response depends neither on which rows share its batch
+        or rank nor on the device. Without ``row_seeds`` they are drawn from ``generator`` (a CPU generator)."""
+        if row_seeds is None:
+            row_seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
         chunk = params.micro_batch_size or len(prompts)
         out = RolloutOutput([], [], [])
         for start in range(0, len(prompts), chunk):
-            seeds = row_seeds[start : start + chunk] if row_seeds is not None else None
-            part = self._generate_batch(prompts[start : start + chunk], params, generator, seeds)
+            part = self._generate_batch(prompts[start : start + chunk], params, row_seeds[start : start + chunk])
             out.response_ids += part.response_ids
             out.logprobs += part.logprobs
             out.finish_reasons += part.finish_reasons
@@ -71,8 +74,7 @@ class HFEngine:
         self,
         prompts: list[list[int]],
         params: SamplingParams,
-        generator: torch.Generator | None,
-        seeds: list[int] | None = None,
+        seeds: list[int],
     ) -> RolloutOutput:
         from transformers import DynamicCache
 
@@ -89,7 +91,7 @@ class HFEngine:
             mask[i, S - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]: 0 at each row's first real token
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
-        row_gens = [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds is not None else None
+        seeds_t = torch.tensor(seeds, dtype=torch.int64, device=device)  # [B]
 
         was_training = model.training
         model.eval()
@@ -108,10 +110,7 @@ class HFEngine:
                 logits = logits / params.temperature
                 logp_all = torch.log_softmax(logits, dim=-1)
                 probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
-                if row_gens is None:
-                    nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [B]
-                else:
-                    nxt = _sample_rows(probs, row_gens)
+                nxt = sample_inverse_cdf(probs, uniforms(seeds_t, t))  # [B]
                 nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens[:, t] = nxt
                 logps[:, t] = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
@@ -135,15 +134,6 @@ class HFEngine:
             logprobs=[lp_l[i][: lengths_l[i]] for i in range(B)],
             finish_reasons=["stop" if done_l[i] else "length" for i in range(B)],
         )
-
-
-def _sample_rows(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-    """One token per row of ``probs`` [B, V], each row drawing its uniform from its own generator
-    (inverse CDF; ``right=True`` never lands on a zero-probability token)."""
-    u = torch.stack([torch.rand((), generator=g, device=probs.device) for g in gens])  # [B]
-    cdf = probs.cumsum(-1)
-    nxt = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return nxt.clamp(max=probs.shape[-1] - 1)
 
 
 def _all_ranks_done(done: torch.Tensor) -> bool:

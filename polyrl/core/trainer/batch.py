@@ -11,11 +11,13 @@ is *packed* into one row of concatenated documents whose ``position_ids`` restar
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
 
 from polyrl.core import algorithms as A
+from polyrl.core.attention.op import validate_cu_seqlens
 
 
 @dataclasses.dataclass
@@ -108,9 +110,16 @@ def _layout(batch: SequenceBatch, rows: Sequence[int], packed: bool, pad_id: int
             gather += range(start + P - 1, start + P - 1 + n)
             dst_row += [i] * n
             dst_col += range(n)
+        # Document boundaries built and validated here, on the host, once per micro-batch, and handed to every
+        # layer as transformers' ``cu_seq_lens_q/k`` (one tensor object): the attention never reads them back.
+        cu = [0, *itertools.accumulate(len(x) for x in seqs)]
+        validate_cu_seqlens(cu, len(ids))
+        cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+        longest = max(len(x) for x in seqs)
         kwargs = {
             "input_ids": torch.tensor([ids], dtype=torch.long, device=device),
             "position_ids": torch.tensor([pos], dtype=torch.long, device=device),
+            "cu_seq_lens_q": cu_t, "cu_seq_lens_k": cu_t, "max_length_q": longest, "max_length_k": longest,
         }
     else:
         L = max(len(s) for s in seqs)

@@ -60,8 +60,8 @@ def _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, sta
 
 
 @triton.autotune(configs=dq_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
-                 prune_configs_by={"early_config_prune": prune_rows})
-@triton.jit
+                 prune_configs_by={"early_config_prune": prune_rows}, cache_results=True)
+@triton.jit(do_not_specialize=["T"])
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, doc_start_ptr, d_exact_ptr,
     T, W, G, qk_scale, scale,
@@ -156,8 +156,8 @@ def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_
 
 
 @triton.autotune(configs=dkdv_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
-                 prune_configs_by={"early_config_prune": prune_rows})
-@triton.jit
+                 prune_configs_by={"early_config_prune": prune_rows}, cache_results=True)
+@triton.jit(do_not_specialize=["T"])
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_start_ptr, doc_end_ptr,
     T, W, G, qk_scale, scale,

@@ -68,8 +68,8 @@ def _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_ptrs_base, v_ptrs_base, start_
 
 
 @triton.autotune(configs=forward_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "HAS_SINK", "W"],
-                 prune_configs_by={"early_config_prune": prune_rows})
-@triton.jit
+                 prune_configs_by={"early_config_prune": prune_rows}, cache_results=True)
+@triton.jit(do_not_specialize=["T"])
 def attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sink_ptr, doc_start_ptr,
     T, W, G, qk_scale,

@@ -1,0 +1,89 @@
+"""Where the time of a training step goes: start-up, first update, and a torch-profiler view of a few steps.
+
+Builds the trainer of a recipe in-process (as ``polyrl run`` does), reports the seconds from process start to
+imports done / trainer built / first step done, then the split of ``time/*`` metrics over ``--steps`` steps,
+and a torch.profiler table (top ops by self device time, or self CPU time on the CPU) of ``--profile-steps``
+steps, plus the number of kernel launches and host syncs per step.
+
+    python bench/profile_step.py recipes/gpt_oss_dapo_tiny.yaml --backend cuda [--steps 20] [--profile-steps 3]
+"""
+
+from __future__ import annotations
+
+import time
+
+T0 = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recipe")
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write a JSON summary here")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+
+    import torch
+
+    from polyrl.core.config import load_config
+    from polyrl.core.plugins.selection import set_active_backend
+    from polyrl.core.trainer import Trainer
+
+    t_import = time.perf_counter() - T0
+    overrides = [*args.overrides, f"trainer.seed={args.seed}"]
+    if args.backend:
+        overrides.append(f"backend.name={args.backend}")
+    cfg = load_config(args.recipe, overrides)
+    backend = set_active_backend(cfg.backend.name)
+    trainer = Trainer(cfg, backend)
+    t_built = time.perf_counter() - T0
+    rows = [trainer.step()]
+    t_first = time.perf_counter() - T0
+    print(f"start-up: imports {t_import:.2f} s, trainer built {t_built:.2f} s, first step done {t_first:.2f} s "
+          f"(first step {rows[0]['time/step_s']:.2f} s)", flush=True)
+    for _ in range(args.steps - 1):
+        rows.append(trainer.step())
+    keys = sorted(k for k in rows[0] if k.startswith("time/"))
+    steady = rows[1:] or rows
+    split = {k: statistics.median(r[k] for r in steady) for k in keys}
+    print("median over steps 2..N: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in split.items()))
+    print(f"reward/mean first {rows[0]['reward/mean']:.3f} last {rows[-1]['reward/mean']:.3f}")
+
+    summary = {"recipe": args.recipe, "backend": backend.name, "import_s": t_import, "built_s": t_built,
+               "first_step_done_s": t_first, "median_ms": {k: v * 1e3 for k, v in split.items()}}
+    if args.profile_steps > 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU]
+        on_device = backend.device_type != "cpu"
+        if on_device:
+            acts.append(ProfilerActivity.CUDA)
+        with profile(activities=acts) as prof:
+            for _ in range(args.profile_steps):
+                trainer.step()
+        sort = "self_device_time_total" if on_device else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25))
+        events = prof.key_averages()
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+        syncs = sum(e.count for e in events if "Synchronize" in e.key or e.key == "aten::item"
+                    or e.key == "aten::_local_scalar_dense")
+        per = args.profile_steps
+        print(f"per step: {launches / per:.0f} kernel launches, {syncs / per:.0f} host syncs (item/synchronize)")
+        summary.update(launches_per_step=launches / per, syncs_per_step=syncs / per)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+    del torch
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
