@@ -34,6 +34,9 @@ class CpuBackend(Backend):
     def bind_device(self, local_rank: int = 0) -> Any:
         return self.device(local_rank)
 
+    def memory_metrics(self) -> dict[str, float]:
+        return {}  # the process RSS is not a per-step figure worth logging (and would vary between reruns)
+
     def process_group_options(self, local_rank: int = 0) -> dict[str, Any]:
         return {}  # gloo binds no device
 

@@ -152,6 +152,17 @@ class Backend:
 
         torch.get_device_module(self.device_type).set_rng_state(state)
 
+    def memory_metrics(self) -> dict[str, float]:
+        """Per-step memory figures for metrics.jsonl: the device's peak allocated GiB since the last call."""
+        import torch
+
+        module = torch.get_device_module(self.device_type)
+        if not hasattr(module, "max_memory_allocated"):
+            return {}
+        peak = module.max_memory_allocated() / 2**30
+        module.reset_peak_memory_stats()
+        return {"memory/peak_gib": peak}
+
     # --- reporting -----------------------------------------------------------------------------
     def kernels_fallback(self) -> list[str]:
         return [k for k in KERNELS if k not in self.native_kernels]

@@ -103,7 +103,9 @@ class Trainer:
         metrics["train/skipped_no_data"] = int(exp.batch is None)
         self.state.step += 1
         metrics["time/step_s"] = time.perf_counter() - t0
-        metrics = D.all_reduce_metrics(metrics, ops={"time/step_s": "max", "time/rollout_s": "max"})
+        metrics.update(self.backend.memory_metrics())
+        metrics = D.all_reduce_metrics(metrics, ops={"time/step_s": "max", "time/rollout_s": "max",
+                                                     "memory/peak_gib": "max", "batch/tokens": "sum"})
         return {"step": self.state.step, **metrics}
 
     def _forward_kwargs(self) -> dict[str, Any]:
@@ -127,6 +129,7 @@ class Trainer:
 
         old_logp = forward_all(actor_fn, batch, budget)
         metrics = {
+            "batch/tokens": sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)),  # this rank's
             "rollout/logprob_diff": _global_mean((old_logp - batch.rollout_logp).abs(), mask),
             "actor/entropy": _global_mean(ent, mask),
         }
