@@ -1,43 +1,243 @@
-"""The conformance kit passes the reference backend, fails a broken one, and never passes an unavailable one."""
+"""The conformance kit passes correct kernels (the cpu reference, the dummy plugin's chunked kernel) in fp32
+and bf16, fails each planted bug naming its symptom first, and never passes an unavailable backend.
+
+Planted bugs go into the dummy plugin's kernel (tests/plugins/polyrl_dummy_backend: pure torch, chunks of
+32 queries), as a plugin author's mistakes would. They run in bf16, where the bars are widest.
+"""
 
 from __future__ import annotations
 
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
 from polyrl.backends.cpu import CpuBackend
-from polyrl.core.backend import Availability
-from polyrl.testing.conformance import FAIL, NOT_RUN, run_conformance
+from polyrl.core.plugins import Availability
+from polyrl.core.tolerances import REFERENCE_ATTENTION_ERRORS
+from polyrl.testing.conformance import ATTENTION_CASES, FAIL, NOT_RUN, PASS, run_conformance
+
+DUMMY_SRC = Path(__file__).parent / "plugins" / "polyrl_dummy_backend"
+BUGGY_DTYPE = "bfloat16"
 
 
-class SinkDroppingBackend(CpuBackend):
-    """A classic bug: the kernel ignores the sinks (as plain FlashAttention-2 paths do)."""
+@pytest.fixture
+def dummy(monkeypatch):
+    """The dummy plugin's backend class and its kernel module, imported from source, available."""
+    monkeypatch.syspath_prepend(str(DUMMY_SRC))
+    monkeypatch.setenv("POLYRL_DUMMY_AVAILABLE", "1")
+    import polyrl_dummy_backend
+    from polyrl_dummy_backend import attention
 
-    name = "sinkless"
-    is_reference = False
+    return polyrl_dummy_backend.DummyBackend, attention
+
+
+def kernel_checks(report):
+    return {c.name: c for c in report.checks if c.name.startswith("varlen_attention")}
+
+
+def case_of(check_name: str):
+    return next(c for c in ATTENTION_CASES if check_name.startswith(f"varlen_attention {c.label()}"))
+
+
+def failures(report) -> dict:
+    """{case: detail} of the failing kernel checks, after checking the kit ran every case."""
+    checks = kernel_checks(report)
+    assert len(checks) == len(ATTENTION_CASES), report.format()
+    return {case_of(name): c.detail for name, c in checks.items() if c.status == FAIL}
+
+
+# --- correct kernels pass ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_cpu_reference_conforms_and_the_bars_stay_derived_from_it(dtype):
+    report = run_conformance("cpu", dtype=dtype)
+    assert report.ok, report.format()
+    # The rule of polyrl/core/tolerances.py: bars = margin x the reference's recorded worst error. The record
+    # must still describe the reference: not understated (the bars would lose their margin), not stale.
+    measured, recorded = report.worst_errors(), REFERENCE_ATTENTION_ERRORS[dtype]
+    assert set(measured) == set(recorded)
+    drift = {k: f"measured {measured[k]:.2e}, recorded {recorded[k]:.1e}" for k in recorded
+             if not recorded[k] / 2 <= measured[k] <= recorded[k] * 1.1}
+    assert not drift, f"update REFERENCE_ATTENTION_ERRORS[{dtype!r}] in polyrl/core/tolerances.py: {drift}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dummy_plugin_kernel_conforms(dummy, dtype):
+    backend_cls, _ = dummy
+    report = run_conformance(backend_cls(), dtype=dtype)
+    assert report.ok, report.format()
+    assert all(c.status == PASS for c in report.checks)
+
+
+# --- planted bugs fail, each named by its symptom ------------------------------------------------------
+
+
+def _buggy(backend_cls, name: str, kernel):
+    """A subclass of the dummy backend whose varlen_attention is ``kernel(super_call, q, k, v, cu, **kw)``."""
 
     def varlen_attention(self, q, k, v, cu_seqlens, *, scale, window, sinks):
-        return super().varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=None)
+        return kernel(super(cls, self).varlen_attention, q, k, v, cu_seqlens, scale=scale, window=window,
+                      sinks=sinks)
+
+    cls = type(f"Buggy_{name}", (backend_cls,), {"name": name, "varlen_attention": varlen_attention})
+    return cls()
 
 
-class OffByOneWindowBackend(CpuBackend):
-    """FlashAttention's (W, 0) instead of (W - 1, 0): one key too many."""
-
-    name = "window_plus_one"
-    is_reference = False
-
-    def varlen_attention(self, q, k, v, cu_seqlens, *, scale, window, sinks):
-        return super().varlen_attention(q, k, v, cu_seqlens, scale=scale,
-                                        window=None if window is None else window + 1, sinks=sinks)
+def _window_plus_one(call, q, k, v, cu, *, scale, window, sinks):
+    return call(q, k, v, cu, scale=scale, window=None if window is None else window + 1, sinks=sinks)
 
 
-class GradDoublingBackend(CpuBackend):
-    """A backward bug that leaves the forward exact: dq (and everything) doubled through a custom hook."""
+def _window_minus_one(call, q, k, v, cu, *, scale, window, sinks):  # FlashAttention's (W, 0) read as W keys
+    return call(q, k, v, cu, scale=scale, window=None if window is None else window - 1, sinks=sinks)
 
-    name = "grad_doubling"
-    is_reference = False
 
-    def varlen_attention(self, q, k, v, cu_seqlens, *, scale, window, sinks):
-        q2 = q * 1.0
-        q2.register_hook(lambda g: 2 * g)
-        return super().varlen_attention(q2, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+def _sinks_ignored(call, q, k, v, cu, *, scale, window, sinks):  # plain FlashAttention-2 paths
+    return call(q, k, v, cu, scale=scale, window=window, sinks=None)
+
+
+def _sinks_scaled(call, q, k, v, cu, *, scale, window, sinks):  # the sink treated as a logit to scale
+    return call(q, k, v, cu, scale=scale, window=window, sinks=None if sinks is None else sinks * scale)
+
+
+def _scale_ignored(call, q, k, v, cu, *, scale, window, sinks):  # DeepSeek-V3's YaRN mscale lost
+    return call(q, k, v, cu, scale=q.shape[-1] ** -0.5, window=window, sinks=sinks)
+
+
+def _scale_from_dv(call, q, k, v, cu, *, scale, window, sinks):  # head dim of V taken for the scale
+    return call(q, k, v, cu, scale=v.shape[-1] ** -0.5, window=window, sinks=sinks)
+
+
+def _gqa_modulo(call, q, k, v, cu, *, scale, window, sinks):
+    """Query head h reads key/value head h % Hkv instead of h // G (repeat instead of repeat_interleave)."""
+    hq, hkv = q.shape[1], k.shape[1]
+    g = hq // hkv
+    h = torch.arange(hq)
+    perm = (h % hkv) * g + h // hkv  # query head h is computed as the head that reads kv head h % Hkv
+    out = call(q[:, perm], k, v, cu, scale=scale, window=window, sinks=None if sinks is None else sinks[perm])
+    return out[:, torch.argsort(perm)]
+
+
+def _fp32_output(call, q, k, v, cu, *, scale, window, sinks):
+    return call(q, k, v, cu, scale=scale, window=window, sinks=sinks).float()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.factor, None
+
+
+def _dk_scaled(call, q, k, v, cu, *, scale, window, sinks):  # exact forward, dK off by 25%
+    return call(q, _ScaleGrad.apply(k, 1.25), v, cu, scale=scale, window=window, sinks=sinks)
+
+
+def _assert_symptom_first(fails: dict, symptom: str):
+    wrong = {c.name: d for c, d in fails.items() if not d.startswith(symptom)}
+    assert not wrong, f"failures that do not start with {symptom!r}: {wrong}"
+
+
+def test_window_plus_one_fails_window_cases_with_output_differs(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "window_plus_one", _window_plus_one), dtype=BUGGY_DTYPE))
+    # A window beyond the document cannot tell W from W + 1; every other window case must fail.
+    expected = {c for c in ATTENTION_CASES if c.window is not None and c.window < max(c.doc_lens)}
+    assert set(fails) == expected
+    _assert_symptom_first(fails, "output differs")
+
+
+def test_window_minus_one_fails_window_cases(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "window_minus_one", _window_minus_one), dtype=BUGGY_DTYPE))
+    assert {c for c in fails} == {c for c in ATTENTION_CASES if c.window is not None and c.window < max(c.doc_lens)}
+    _assert_symptom_first(fails, "output differs")
+
+
+def test_ignored_sinks_fail_sink_cases_output_first_then_missing_dsinks(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "sinkless", _sinks_ignored), dtype=BUGGY_DTYPE))
+    assert set(fails) == {c for c in ATTENTION_CASES if c.sinks is not None}
+    _assert_symptom_first(fails, "output differs")
+    for detail in fails.values():
+        assert "no gradient reached dsinks" in detail
+        assert detail.index("output differs") < detail.index("no gradient reached dsinks")
+
+
+def test_scaled_sinks_fail_sink_cases(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "sinks_scaled", _sinks_scaled), dtype=BUGGY_DTYPE))
+    assert set(fails) == {c for c in ATTENTION_CASES if c.sinks is not None}
+    _assert_symptom_first(fails, "output differs")
+
+
+def test_ignored_scale_fails_the_non_default_scale_cases(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "scale_ignored", _scale_ignored), dtype=BUGGY_DTYPE))
+    assert set(fails) == {c for c in ATTENTION_CASES if c.scale is not None}
+    assert len(fails) >= 2
+    _assert_symptom_first(fails, "output differs")
+
+
+def test_wrong_scale_fails_dv_not_d_and_non_default_scale_cases(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "scale_from_dv", _scale_from_dv), dtype=BUGGY_DTYPE))
+    assert set(fails) == {c for c in ATTENTION_CASES if (c.dv is not None and c.dv != c.d) or c.scale is not None}
+    _assert_symptom_first(fails, "output differs")
+
+
+def test_wrong_gqa_head_mapping_fails_grouped_cases(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "gqa_modulo", _gqa_modulo), dtype=BUGGY_DTYPE))
+    assert set(fails) == {c for c in ATTENTION_CASES if c.gqa > 1 and c.hkv > 1}
+    _assert_symptom_first(fails, "output differs")
+
+
+def test_wrong_backward_with_exact_forward_names_dk(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "dk_scaled", _dk_scaled), dtype=BUGGY_DTYPE))
+    # A one-key window without sink has dK = 0 exactly, so scaling it is invisible there; everywhere else not.
+    assert set(fails) == {c for c in ATTENTION_CASES if not (c.window == 1 and c.sinks is None)}
+    _assert_symptom_first(fails, "dk differs")
+    assert not any("output differs" in d for d in fails.values())
+
+
+def test_fp32_output_for_bf16_inputs_is_a_wrong_output_dtype(dummy):
+    fails = failures(run_conformance(_buggy(dummy[0], "fp32_out", _fp32_output), dtype=BUGGY_DTYPE))
+    assert set(fails) == set(ATTENTION_CASES)
+    _assert_symptom_first(fails, "wrong output dtype: float32, expected bfloat16")
+
+
+def _last_query_of_later_chunks_misses_itself(doc_start, qs, qe, window):
+    lo = doc_start if window is None else max(doc_start, qs - window + 1)
+    return lo, qe - 1 if qs > doc_start else qe
+
+
+def _window_start_late_in_later_chunks(doc_start, qs, qe, window):
+    lo = doc_start if window is None else max(doc_start, qs - window + (2 if qs > doc_start else 1))
+    return lo, qe
+
+
+@pytest.mark.parametrize("bug", [_last_query_of_later_chunks_misses_itself, _window_start_late_in_later_chunks])
+def test_chunk_boundary_off_by_one_fails_on_long_documents_at_chunk_edges(dummy, monkeypatch, bug):
+    backend_cls, attention = dummy
+    monkeypatch.setattr(attention, "_key_span", bug)
+    fails = failures(run_conformance(backend_cls(), dtype=BUGGY_DTYPE))
+    assert fails
+    # Only documents longer than a chunk can show it, and the output's worst row is a chunk's first or last row.
+    assert all(max(c.doc_lens) > attention.CHUNK for c in fails)
+    _assert_symptom_first(fails, "output differs")
+    for detail in fails.values():
+        where = re.match(r"output differs: .*?worst row .*? at doc \d+ \(len (\d+)\) position (\d+)", detail)
+        if where is None:  # rows with nothing visible: "output differs: N non-finite values"
+            assert "non-finite" in detail, detail
+            continue
+        length, position = int(where.group(1)), int(where.group(2))
+        assert position % attention.CHUNK in (0, attention.CHUNK - 1) or position == length - 1, detail
+    if bug is _last_query_of_later_chunks_misses_itself:  # every case with a document beyond one chunk
+        assert set(fails) == {c for c in ATTENTION_CASES if max(c.doc_lens) > attention.CHUNK}
+
+
+# --- declarations and availability ------------------------------------------------------------------------
 
 
 class AbsentBackend(CpuBackend):
@@ -48,35 +248,28 @@ class AbsentBackend(CpuBackend):
         return Availability(False, "no such device here")
 
 
-def test_cpu_reference_conforms():
-    report = run_conformance("cpu")
-    assert report.ok, report.format()
-    assert sum("varlen_attention" in c.name for c in report.checks) == 12
-
-
-def test_sink_dropping_backend_fails_only_on_sink_cases():
-    report = run_conformance(SinkDroppingBackend())
-    failed = [c for c in report.checks if c.status == FAIL]
-    assert not report.ok
-    assert failed and all("sinks=True" in c.name for c in failed)
-
-
-def test_window_off_by_one_fails():
-    report = run_conformance(OffByOneWindowBackend())
-    failed = [c for c in report.checks if c.status == FAIL]
-    assert failed and all("window=None" not in c.name for c in failed)
-
-
-def test_gradient_bug_with_exact_forward_fails():
-    report = run_conformance(GradDoublingBackend())
-    kernel_checks = [c for c in report.checks if "varlen_attention" in c.name]
-    # Window 1 without sinks has dq == 0 exactly, so doubling it is invisible there; everywhere else it shows.
-    visible = [c for c in kernel_checks if not ("window=1 " in c.name and "sinks=False" in c.name)]
-    assert len(visible) == 10 and all(c.status == FAIL for c in visible)
-
-
 def test_unavailable_backend_is_not_run_never_passed():
     report = run_conformance(AbsentBackend())
     assert any(c.status == NOT_RUN for c in report.checks)
     assert not report.ok
     assert run_conformance(AbsentBackend(), allow_unavailable=True).ok
+
+
+def test_unknown_dtype_and_backend_are_refused():
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        run_conformance("cpu", dtype="float64")
+    with pytest.raises(KeyError, match="not registered"):
+        run_conformance("no_such_backend")
+
+
+def test_cases_cover_what_the_contract_promises():
+    assert {c.gqa for c in ATTENTION_CASES} >= {1, 2, 4, 8}
+    windows = {c.window for c in ATTENTION_CASES}
+    assert {None, 1, 31, 32, 33} <= windows
+    assert any(c.window is not None and c.window > max(c.doc_lens) for c in ATTENTION_CASES)
+    assert any(c.dv is not None and c.dv < c.d for c in ATTENTION_CASES)
+    assert any(c.dv is not None and c.dv > c.d for c in ATTENTION_CASES)
+    assert sum(c.scale is not None and not math.isclose(c.scale, c.d**-0.5) for c in ATTENTION_CASES) >= 2
+    assert any(max(c.doc_lens) >= 300 for c in ATTENTION_CASES)
+    assert any(len(c.doc_lens) >= 6 and min(c.doc_lens) == 1 for c in ATTENTION_CASES)  # ragged
+    assert any(c.fp32_sinks for c in ATTENTION_CASES) and any(c.sinks and not c.fp32_sinks for c in ATTENTION_CASES)

@@ -1,4 +1,5 @@
-"""`polyrl parity`: measured errors beside bars; an unavailable backend is `not run`, never passed."""
+"""`polyrl parity`: measured errors beside bars, in the backend's own dtype, on the conformance kit's cases;
+an unavailable backend is `not run`, never passed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import subprocess
 import sys
 
 from polyrl.backends.cpu import CpuBackend
+from polyrl.core.plugins import ShardingPolicy
+from polyrl.core.tolerances import tolerance
+from polyrl.testing.conformance import ATTENTION_CASES
 from polyrl.testing.parity import FAIL, NOT_RUN, PASS, run_parity
 
 
@@ -21,21 +25,43 @@ class WrongScaleBackend(CpuBackend):
                                         sinks=None if sinks is None else sinks * scale)
 
 
-def test_cpu_op_and_model_parity_pass_with_measured_errors():
+class Bf16PolicyBackend(CpuBackend):
+    """The reference kernel behind a backend that trains in bf16."""
+
+    name = "bf16_policy"
+    is_reference = False
+
+    def sharding_policy(self) -> ShardingPolicy:
+        return ShardingPolicy(param_dtype="bfloat16", reduce_dtype="float32")
+
+
+def test_cpu_op_and_model_parity_pass_on_the_kits_cases_in_its_own_dtype():
     rows = run_parity(CpuBackend(), ("op", "model"))
     assert {r.level for r in rows} == {"op", "model"}
     assert all(r.status == PASS for r in rows), [r for r in rows if r.status != PASS]
     assert all(r.error is not None and r.bar is not None for r in rows)
+    assert {r.dtype for r in rows} == {"float32"}  # the cpu backend's policy
+    # The op level runs the conformance kit's case list: out, dq, dk, dv (, dsinks) of each case.
+    op = [r for r in rows if r.level == "op"]
+    assert {r.case.split(": ")[0].removeprefix("varlen_attention ") for r in op} == {c.name for c in ATTENTION_CASES}
+    assert len(op) == sum(4 + (c.sinks is not None) for c in ATTENTION_CASES)
 
 
-def test_a_buggy_backend_fails_op_parity_on_sink_cases():
-    import polyrl.core.plugins as plugins
+def test_op_level_uses_the_backends_dtype_policy_and_says_so():
+    rows = run_parity(Bf16PolicyBackend(), ("op",))
+    assert {r.dtype for r in rows} == {"bfloat16"}
+    assert all(r.status == PASS for r in rows), [r for r in rows if r.status != PASS]
+    assert {r.bar for r in rows if r.case.endswith(": out")} == {tolerance("attention.forward", "bfloat16")}
+    # An explicit dtype overrides the policy.
+    assert {r.dtype for r in run_parity(Bf16PolicyBackend(), ("recipe",), dtype="float16")} == {"float16"}
 
-    backend = WrongScaleBackend()
-    rows = run_parity(backend, ("op",))
+
+def test_a_buggy_backend_fails_op_parity_on_sink_cases_naming_the_symptom():
+    rows = run_parity(WrongScaleBackend(), ("op",))
     failed = [r for r in rows if r.status == FAIL]
-    assert failed and all("sinks=None" not in r.case for r in failed)
-    plugins.reset_registry()
+    sink_cases = {c.name for c in ATTENTION_CASES if c.sinks is not None}
+    assert failed and {r.case.split(": ")[0].removeprefix("varlen_attention ") for r in failed} == sink_cases
+    assert all(r.detail.startswith("output differs") for r in failed if r.case.endswith(": out"))
 
 
 def test_unimplemented_levels_are_not_run():

@@ -1,35 +1,322 @@
 """Conformance kit for backend plugin authors.
 
-A backend is conformant when it declares what DESIGN.md asks for and its kernels agree with the CPU
-reference within the tolerance table. Use it from your plugin's test suite::
+A backend is conformant when it declares what DESIGN.md asks for and its attention kernel meets the
+contract of docs/plugins.md ("The kernel contract") on every case of :data:`ATTENTION_CASES`, within the
+bars of :mod:`polyrl.core.tolerances`. Use it from your plugin's test suite::
 
     from polyrl.testing.conformance import run_conformance
     def test_my_backend_conforms():
-        report = run_conformance("mybackend")
-        assert report.ok, report.format()
+        for dtype in ("float32", "bfloat16"):
+            report = run_conformance("mybackend", dtype=dtype)
+            assert report.ok, report.format()
 
-Checks that need the backend's hardware are reported as ``not run`` (never as passed) when
-``detect()`` says the backend is not available; ``report.ok`` is then False unless
-``allow_unavailable=True`` is passed, so a CI that lacks the device cannot mistake silence for success.
+How a case is judged: the inputs are drawn in fp32, rounded to the dtype under test, and given both to the
+backend (on its device) and to the fp64 dense oracle of :mod:`polyrl.testing.attention_oracle`; a correct
+kernel's error is then only its own arithmetic and the rounding of its results, never the rounding of its
+inputs. Each of out, dq, dk, dv (and dsinks) is checked for presence, shape, dtype, finiteness, a relative
+norm error (diffuse errors: a scale slightly off) and the worst row's error (local errors: one query at a
+chunk edge seeing one key too many). A failure names the symptom first — "output differs" before "no
+gradient reached dsinks" — then where the worst row is (document, position, head).
+
+Checks that need the backend's hardware are reported as ``not run`` (never as passed) when ``detect()`` says
+the backend is not available; ``report.ok`` is then False unless ``allow_unavailable=True`` is passed, so a
+CI that lacks the device cannot mistake silence for success. ``polyrl parity --level op`` runs the same cases.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import itertools
+import math
+from typing import TYPE_CHECKING, Any
 
-from polyrl.core.backend import KERNELS, Availability, Backend, ShardingPolicy
 from polyrl.core.plugins import list_backends
+from polyrl.core.plugins.backend import KERNELS, Availability, Backend, ShardingPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
+DTYPES = ("float32", "bfloat16", "float16")
+RESULTS = ("out", "dq", "dk", "dv", "dsinks")
+# DeepSeek-V3 scales its logits by mscale**2 / sqrt(D) (YaRN, factor 40): a kernel must use the caller's scale.
+YARN_MSCALE = 0.1 * math.log(40.0) + 1.0
 
-# Small op grid: enough to catch window/sink/GQA/ragged mistakes, cheap on any device.
-ATTENTION_GRID = {
-    "window": (None, 1, 3),
-    "sinks": (False, True),
-    "gqa": (1, 2),
-}
-DOC_LENS = (1, 5, 17)
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """One varlen_attention case: packed documents, heads, head dims, window, sinks and scale."""
+
+    name: str
+    doc_lens: tuple[int, ...]
+    hkv: int = 2
+    gqa: int = 1  # query heads per key/value head
+    d: int = 32
+    dv: int | None = None  # None: Dv = D
+    window: int | None = None
+    sinks: float | None = None  # standard deviation of the random per-head sinks; None: no sinks
+    scale: float | None = None  # None: the default D ** -0.5 (varlen_attention fills it in)
+    fp32_sinks: bool = False  # sinks in fp32 whatever the dtype under test (else in q's dtype)
+    seed: int = 0
+
+    @property
+    def hq(self) -> int:
+        return self.hkv * self.gqa
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.d if self.dv is None else self.dv
+
+    def label(self) -> str:
+        docs = ",".join(map(str, self.doc_lens))
+        parts = [f"docs=[{docs}]", f"heads={self.hq}/{self.hkv}", f"D={self.d}"]
+        if self.dv is not None:
+            parts.append(f"Dv={self.dv}")
+        parts += [f"window={self.window}", f"sinks={self.sinks}"]
+        if self.scale is not None:
+            parts.append(f"scale={self.scale:.4g}")
+        return f"{self.name} ({' '.join(parts)})"
+
+
+# THE one list of attention cases: the conformance kit and `polyrl parity --level op` both run it.
+# Windows run from 1 to beyond the document and sit on both sides of 32-query chunk edges; GQA ratios
+# 1, 2, 4, 8; documents from 1 to 512 tokens, alone and in ragged batches; Dv != D both ways; a
+# non-default scale (DeepSeek-V3's YaRN mscale) alone and with window and sinks; sinks in q's dtype and
+# in fp32, weak and strong. Sized so the whole list runs in a few seconds on two CPU cores.
+ATTENTION_CASES: tuple[AttentionCase, ...] = (
+    AttentionCase("ragged short documents", (1, 5, 17, 2, 1, 9), seed=1),
+    AttentionCase("ragged short documents, sinks", (1, 5, 17, 2, 1, 9), gqa=2, sinks=1.0, seed=2),
+    AttentionCase("window 1", (1, 7, 70), window=1, seed=3),
+    AttentionCase("window 1, sinks", (3, 70), gqa=4, window=1, sinks=1.0, seed=4),
+    AttentionCase("window 2, fp32 sinks", (5, 40), gqa=2, window=2, sinks=2.0, fp32_sinks=True, seed=5),
+    AttentionCase("window 31", (300, 3), gqa=2, window=31, sinks=1.0, seed=6),
+    AttentionCase("window 32", (130, 66), window=32, seed=7),
+    AttentionCase("window 33", (257,), gqa=4, window=33, sinks=1.0, seed=8),
+    AttentionCase("window 100, strong sinks", (300, 1, 45), hkv=1, gqa=8, window=100, sinks=5.0, seed=9),
+    AttentionCase("window beyond the document", (200, 17), gqa=2, window=1000, sinks=1.0, seed=10),
+    AttentionCase("long document", (512,), hkv=1, gqa=8, seed=11),
+    AttentionCase("long ragged batch", (1, 300, 2, 97, 33, 64, 1), gqa=4, sinks=1.0, seed=12),
+    AttentionCase("non-default scale, Dv < D", (150, 40, 1), gqa=4, d=48, dv=32,
+                  scale=YARN_MSCALE**2 / math.sqrt(48), seed=13),
+    AttentionCase("non-default scale, window, sinks", (100, 64), gqa=2, window=40, sinks=1.0, scale=0.5, seed=14),
+    AttentionCase("Dv > D, window 16", (65, 33), hkv=1, gqa=8, d=24, dv=40, window=16, sinks=1.0, seed=15),
+)
+
+
+# --- running a case ---------------------------------------------------------------------------------------
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {name!r}")
+    return getattr(torch, name)
+
+
+def case_inputs(case: AttentionCase, dtype: str) -> dict[str, Any]:
+    """q, k, v, sinks (or None), d_out in ``dtype`` (sinks in fp32 when the case says so), cu_seqlens int32."""
+    import torch
+
+    dt = _torch_dtype(dtype)
+    gen = torch.Generator().manual_seed(case.seed)
+    t = sum(case.doc_lens)
+    q = torch.randn(t, case.hq, case.d, generator=gen)
+    k = torch.randn(t, case.hkv, case.d, generator=gen)
+    v = torch.randn(t, case.hkv, case.head_dim_v, generator=gen)
+    d_out = torch.randn(t, case.hq, case.head_dim_v, generator=gen)
+    sinks = None if case.sinks is None else case.sinks * torch.randn(case.hq, generator=gen)
+    cu = torch.tensor([0, *itertools.accumulate(case.doc_lens)], dtype=torch.int32)
+    return {"q": q.to(dt), "k": k.to(dt), "v": v.to(dt), "d_out": d_out.to(dt), "cu_seqlens": cu,
+            "sinks": None if sinks is None else sinks.to(torch.float32 if case.fp32_sinks else dt)}
+
+
+@functools.lru_cache(maxsize=64)
+def oracle_results(case: AttentionCase, dtype: str) -> dict[str, Any]:
+    """fp64 out and gradients of the case's (rounded) inputs, plus the dQ/dK rows' cancellation floors."""
+    from polyrl.testing.attention_oracle import dense_attention_fp64, gradient_floors_fp64
+
+    x = case_inputs(case, dtype)
+    scale = case.d**-0.5 if case.scale is None else case.scale
+    names = ["q", "k", "v"] + (["sinks"] if x["sinks"] is not None else [])
+    leaves = {n: x[n].double().requires_grad_() for n in names}
+    out = dense_attention_fp64(leaves["q"], leaves["k"], leaves["v"], x["cu_seqlens"], scale=scale,
+                               window=case.window, sinks=leaves.get("sinks"))
+    out.backward(x["d_out"].double())
+    fq, fk = gradient_floors_fp64(x["q"], x["k"], x["v"], x["cu_seqlens"], x["d_out"], scale=scale,
+                                  window=case.window, sinks=x["sinks"])
+    results = {"out": out.detach(), **{f"d{n}": leaves[n].grad for n in names}}
+    return {"results": results, "floors": {"dq": fq, "dk": fk}}
+
+
+@dataclasses.dataclass
+class TensorCheck:
+    """One result tensor of a case (out, dq, dk, dv or dsinks) against the oracle."""
+
+    name: str
+    present: bool = True
+    dtype: str = ""
+    expected_dtype: str = ""
+    shape: tuple[int, ...] = ()
+    expected_shape: tuple[int, ...] = ()
+    nonfinite: int = 0
+    error: float | None = None  # relative norm error
+    bar: float | None = None
+    row_error: float | None = None  # worst row's error
+    row_bar: float | None = None
+    worst_row: str = ""  # where the worst row is
+
+    @property
+    def what(self) -> str:
+        return "output" if self.name == "out" else self.name
+
+    @property
+    def differs(self) -> bool:
+        return self.nonfinite > 0 or not (self.error is not None and self.error <= self.bar) or not (
+            self.row_error is None or self.row_error <= self.row_bar)
+
+    @property
+    def ok(self) -> bool:
+        return (self.present and self.shape == self.expected_shape and self.dtype == self.expected_dtype
+                and not self.differs)
+
+    def symptoms(self) -> list[str]:
+        """What is wrong, most visible first: missing, shape, dtype, then values."""
+        if not self.present:
+            return [f"no gradient reached {self.name}" if self.name != "out" else "no output"]
+        if self.shape != self.expected_shape:
+            return [f"{self.what} has shape {list(self.shape)}, expected {list(self.expected_shape)}"]
+        found = []
+        if self.dtype != self.expected_dtype:
+            source = "the inputs'" if self.name == "out" else f"{self.name[1:]}'s"
+            found.append(f"wrong {self.what} dtype: {self.dtype}, expected {self.expected_dtype} ({source} dtype)")
+        if self.nonfinite:
+            found.append(f"{self.what} differs: {self.nonfinite} non-finite values")
+        elif self.differs:
+            norm = f"rel err {self.error:.1e} (bar {self.bar:.1e})"
+            row = "" if self.row_error is None else f"worst row {self.row_error:.1e} (bar {self.row_bar:.1e}) at {self.worst_row}"
+            found.append(f"{self.what} differs: {norm}" + (f", {row}" if row else ""))
+        return found
+
+
+@dataclasses.dataclass
+class CaseResult:
+    case: AttentionCase
+    dtype: str
+    tensors: list[TensorCheck]
+    raised: str = ""  # the kernel raised: "TypeError: ..."
+
+    @property
+    def ok(self) -> bool:
+        return not self.raised and all(t.ok for t in self.tensors)
+
+    def symptoms(self) -> list[str]:
+        if self.raised:
+            return [f"kernel raised {self.raised}"]
+        return [s for t in self.tensors for s in t.symptoms()]
+
+    def summary(self) -> str:
+        """Errors of every result beside the bars, in the order out/dq/dk/dv/dsinks."""
+        ran = [t for t in self.tensors if t.error is not None]
+        if not ran:
+            return ""
+
+        def join(values, fmt="{:.1e}"):
+            return "/".join("-" if x is None else fmt.format(x) for x in values)
+
+        names = "/".join(t.name for t in ran)
+        return (f"rel err {names} = {join(t.error for t in ran)} (bars {join(t.bar for t in ran)}); "
+                f"worst row {join(t.row_error for t in ran)} (bars {join(t.row_bar for t in ran)})")
+
+    def detail(self) -> str:
+        symptoms = self.symptoms()
+        summary = self.summary()
+        if not symptoms:
+            return summary
+        return "; ".join(symptoms) + (f" | {summary}" if summary else "")
+
+
+def _where(flat_row: int, heads: int, cu: list[int]) -> str:
+    token, head = divmod(flat_row, heads)
+    doc = bisect.bisect_right(cu, token) - 1  # the last document starting at or before token: never empty
+    return f"doc {doc} (len {cu[doc + 1] - cu[doc]}) position {token - cu[doc]} head {head}"
+
+
+def _compare(name: str, got, expected, expected_dtype, floor, dtype: str, cu: list[int]) -> TensorCheck:
+    import torch
+
+    from polyrl.core.tolerances import relative_error, tolerance
+
+    check = TensorCheck(name, expected_dtype=str(expected_dtype).removeprefix("torch."),
+                        expected_shape=tuple(expected.shape))
+    if got is None:
+        check.present = False
+        return check
+    check.dtype = str(got.dtype).removeprefix("torch.")
+    check.shape = tuple(got.shape)
+    if check.shape != check.expected_shape:
+        return check
+    a = got.detach().to("cpu", torch.float64)
+    e = expected.detach().to(torch.float64)
+    check.nonfinite = int((~torch.isfinite(a)).sum())
+    kind = {"out": "attention.forward", "dsinks": "attention.dsinks"}.get(name, "attention.grad")
+    check.bar = tolerance(kind, dtype)
+    if check.nonfinite:
+        return check
+    if name == "dsinks":  # one number per head: the norm error is the whole story
+        check.error = relative_error(a, e)
+        return check
+    check.row_bar = tolerance(kind + ".row", dtype)
+    rows_a, rows_e = a.reshape(-1, a.shape[-1]), e.reshape(-1, e.shape[-1])
+    den = rows_e.norm(dim=-1)  # each row against its own size, or the size of what cancels in it
+    if floor is not None:
+        den = torch.maximum(den, floor.reshape(-1))
+    num = (rows_a - rows_e).norm(dim=-1)
+    total = den.norm().item()
+    check.error = num.norm().item() / total if total > 0 else num.norm().item()
+    ratio = torch.where(den > 0, num / den.clamp_min(torch.finfo(torch.float64).tiny),
+                        torch.where(num > 0, torch.inf, 0.0))
+    worst = int(ratio.argmax())
+    check.row_error = float(ratio[worst])
+    check.worst_row = _where(worst, a.shape[1], cu)
+    return check
+
+
+def run_attention_case(backend: str | Backend, case: AttentionCase, dtype: str) -> CaseResult:
+    """Forward and backward of ``case`` on ``backend`` in ``dtype``, judged against the fp64 oracle."""
+    from polyrl.core.attention import varlen_attention
+
+    if isinstance(backend, str):
+        from polyrl.core.plugins import resolve_backend
+
+        backend = resolve_backend(backend)
+    x = case_inputs(case, dtype)
+    oracle = oracle_results(case, dtype)
+    device = backend.device(0)
+    names = ["q", "k", "v"] + (["sinks"] if x["sinks"] is not None else [])
+    leaves = {n: x[n].detach().to(device).clone().requires_grad_() for n in names}
+    try:
+        out = varlen_attention(leaves["q"], leaves["k"], leaves["v"], x["cu_seqlens"].to(device),
+                               scale=case.scale, window=case.window, sinks=leaves.get("sinks"), backend=backend)
+        got = {"out": out}
+        if tuple(out.shape) == tuple(oracle["results"]["out"].shape) and out.requires_grad:
+            out.backward(x["d_out"].to(device, out.dtype))
+            got.update({f"d{n}": leaves[n].grad for n in names})
+    except Exception as exc:  # a kit reports a crashing kernel; it does not crash with it
+        return CaseResult(case, dtype, [], raised=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    if tuple(out.shape) != tuple(oracle["results"]["out"].shape):  # nothing else can be compared
+        names = []
+    cu = x["cu_seqlens"].tolist()
+    expected_dtypes = {"out": x["q"].dtype, **{f"d{n}": x[n].dtype for n in names}}
+    tensors = [_compare(name, got.get(name), oracle["results"][name], expected_dtypes[name],
+                        oracle["floors"].get(name), dtype, cu)
+               for name in RESULTS if name in expected_dtypes]
+    return CaseResult(case, dtype, tensors)
+
+
+# --- the kit ----------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -44,14 +331,35 @@ class ConformanceReport:
     backend: str
     checks: list[Check]
     allow_unavailable: bool = False
+    dtype: str = "float32"
+    results: list[CaseResult] = dataclasses.field(default_factory=list)  # one per attention case that ran
 
     @property
     def ok(self) -> bool:
         bad = {FAIL} if self.allow_unavailable else {FAIL, NOT_RUN}
         return not any(c.status in bad for c in self.checks)
 
+    @property
+    def failures(self) -> list[Check]:
+        return [c for c in self.checks if c.status == FAIL]
+
     def format(self) -> str:
-        return "\n".join(f"[{c.status:>7}] {self.backend}: {c.name} {c.detail}" for c in self.checks)
+        return "\n".join(f"[{c.status:>7}] {self.backend}: {c.name}: {c.detail}".rstrip(": ") for c in self.checks)
+
+    def worst_errors(self) -> dict[str, float]:
+        """The worst of each measure over the cases, keyed like the tolerance table ("forward.row", ...)."""
+        return worst_errors(self.results)
+
+
+def worst_errors(results: list[CaseResult]) -> dict[str, float]:
+    worst: dict[str, float] = {}
+    for result in results:
+        for t in result.tensors:
+            what = {"out": "forward", "dsinks": "dsinks"}.get(t.name, "grad")
+            for key, err in ((what, t.error), (what + ".row", t.row_error)):
+                if err is not None:
+                    worst[key] = max(worst.get(key, 0.0), err)
+    return worst
 
 
 def _declaration_checks(backend: Backend) -> list[Check]:
@@ -68,54 +376,39 @@ def _declaration_checks(backend: Backend) -> list[Check]:
                         PASS if isinstance(avail, Availability) and (avail.available or avail.reason) else FAIL,
                         repr(avail)))
     policy = backend.sharding_policy()
-    ok = isinstance(policy, ShardingPolicy) and {policy.param_dtype, policy.reduce_dtype} <= {
-        "float32", "bfloat16", "float16"}
+    ok = isinstance(policy, ShardingPolicy) and {policy.param_dtype, policy.reduce_dtype} <= set(DTYPES)
     checks.append(Check("sharding policy uses known dtypes", PASS if ok else FAIL, repr(policy)))
     describe = backend.describe()
     checks.append(Check("describe() lists fallbacks", PASS if "kernels_fallback" in describe else FAIL))
     return checks
 
 
-def _attention_checks(backend: Backend, dtype_name: str) -> list[Check]:
-    import torch
-
-    from polyrl.testing.parity import compare_attention_results, run_attention_case
-
-    checks = []
-    gen = torch.Generator().manual_seed(0)
-    for window, use_sinks, ratio in itertools.product(*ATTENTION_GRID.values()):
-        hkv, d = 2, 32
-        hq = hkv * ratio
-        t = sum(DOC_LENS)
-        cu = torch.tensor([0, *itertools.accumulate(DOC_LENS)], dtype=torch.int32)
-        q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
-        sinks = torch.randn(hq, generator=gen) if use_sinks else None
-        dout = torch.randn(t, hq, d, generator=gen)
-        dut, ref = run_attention_case(backend, q, k, v, cu, sinks, dout, window, dtype_name)
-        label = f"varlen_attention window={window} sinks={use_sinks} gqa={ratio} {dtype_name}"
-        compared = compare_attention_results(dut, ref, dtype_name, window, use_sinks)
-        missing = [what for what, err, _, _ in compared if err is None]
-        if missing:
-            checks.append(Check(label, FAIL, f"no gradient reached {', '.join(missing)}"))
-            continue
-        errs = "/".join(f"{err:.1e}" for _, err, _, _ in compared)
-        ok = all(ok for *_, ok in compared)
-        checks.append(Check(label, PASS if ok else FAIL,
-                            f"rel err out/dq/dk/dv[/ds] = {errs} (bar {compared[-1][2]:.0e})"))
-    return checks
+def attention_checks(backend: Backend, dtype: str, cases: tuple[AttentionCase, ...] = ATTENTION_CASES
+                     ) -> tuple[list[Check], list[CaseResult]]:
+    checks, results = [], []
+    for case in cases:
+        result = run_attention_case(backend, case, dtype)
+        results.append(result)
+        checks.append(Check(f"varlen_attention {case.label()} {dtype}", PASS if result.ok else FAIL,
+                            result.detail()))
+    return checks, results
 
 
-def run_conformance(backend: str | Backend, *, dtype: str = "float32",
-                    allow_unavailable: bool = False) -> ConformanceReport:
-    """Run every check on ``backend`` (a registered name or an instance)."""
+def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_unavailable: bool = False,
+                    cases: tuple[AttentionCase, ...] = ATTENTION_CASES) -> ConformanceReport:
+    """Run every check on ``backend`` (a registered name or an instance), its kernels in ``dtype``."""
+    _torch_dtype(dtype)
     if isinstance(backend, str):
         backends = list_backends()
         if backend not in backends:
             raise KeyError(f"backend {backend!r} is not registered; registered: {sorted(backends)}")
         backend = backends[backend]
     checks = _declaration_checks(backend)
-    if backend.detect().available:
-        checks += _attention_checks(backend, dtype)
+    avail = backend.detect()
+    results: list[CaseResult] = []
+    if avail.available:
+        kernel_checks, results = attention_checks(backend, dtype, cases)
+        checks += kernel_checks
     else:
-        checks.append(Check("kernels vs reference", NOT_RUN, f"backend not available: {backend.detect().reason}"))
-    return ConformanceReport(backend.name, checks, allow_unavailable)
+        checks.append(Check("kernels vs oracle", NOT_RUN, f"backend not available: {avail.reason}"))
+    return ConformanceReport(backend.name, checks, allow_unavailable, dtype, results)

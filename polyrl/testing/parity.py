@@ -1,20 +1,23 @@
-"""Cross-backend parity: compare a backend with the CPU reference (fp32) on the same inputs and seeds.
+"""Cross-backend parity: a backend, in the dtype it trains in, against references on the same inputs.
 
-Levels (DESIGN.md "Parity"): ``op`` — varlen_attention forward and gradients over a grid; ``model`` —
-per-token logprobs of the tiny GPT-OSS and DeepSeek-V3 presets, packed; ``step``/``recipe`` need the
-trainer and are reported ``not run`` with the reason until they are wired here.
+Levels (DESIGN.md "Parity"): ``op`` — varlen_attention forward and gradients on the conformance kit's cases
+(:data:`polyrl.testing.conformance.ATTENTION_CASES`, one list for both) against the fp64 oracle, judged
+exactly as the kit judges them; ``model`` — per-token logprobs of the tiny GPT-OSS and DeepSeek-V3 presets,
+packed, against the cpu backend's fp32 model; ``step``/``recipe`` need the trainer and are reported
+``not run`` with the reason until they are wired here.
 
-Every row carries the measured error next to the bar from :mod:`polyrl.core.tolerances`; a backend that
-cannot run on this machine is ``not run``, never ``pass``.
+The dtype is the backend's own policy (``sharding_policy().param_dtype``: float32 for cpu, bfloat16 for the
+accelerators), unless the caller names one; every row states it. Every row carries the measured error next
+to the bar from :mod:`polyrl.core.tolerances`; a backend that cannot run on this machine is ``not run``,
+never ``pass``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable
 
-from polyrl.core.backend import Backend
+from polyrl.core.plugins import Backend
 
 LEVELS = ("op", "model", "step", "recipe")
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
@@ -28,83 +31,35 @@ class ParityRow:
     error: float | None = None
     bar: float | None = None
     detail: str = ""
+    dtype: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
 
 
-def _compute_dtype(backend: Backend) -> str:
-    # Accelerators are compared in the dtype they train in; the cpu reference with itself in fp32.
-    return "float32" if backend.is_reference else "bfloat16"
-
-
-ATTENTION_RESULT_LABELS = ("out", "dq", "dk", "dv", "dsinks")
-
-
-def compare_attention_results(dut: list, ref: list, dtype: str, window: int | None, has_sinks: bool
-                              ) -> list[tuple[str, float | None, float | None, bool]]:
-    """(label, relative error, bar, ok) for [out, dq, dk, dv(, dsinks)] of a backend vs the reference.
-
-    A missing gradient is reported with error None. Window 1 without sinks: softmax over one key is
-    constant, so dq and dk are exactly zero and any kernel leaves rounding noise; that noise is measured
-    against the gradient scale (||dv||) instead of the zero answer.
-    """
-    from polyrl.core.tolerances import check_close
-
-    results = []
-    for i, label in enumerate(ATTENTION_RESULT_LABELS[: len(ref)]):
-        got = dut[i]
-        if got is None:
-            results.append((label, None, None, False))
-            continue
-        floor = ref[3].norm().item() if window == 1 and not has_sinks and label in ("dq", "dk") else 0.0
-        err, bar, ok = check_close("attention.forward" if i == 0 else "attention.grad",
-                                   got.float().cpu(), ref[i].float().cpu(), dtype, floor=floor)
-        results.append((label, err, bar, ok))
-    return results
-
-
-def run_attention_case(backend: Backend, q, k, v, cu_seqlens, sinks, dout, window: int | None, dtype: str
-                       ) -> tuple[list, list]:
-    """Forward + backward of one case on ``backend`` (in ``dtype``) and on the cpu reference (fp32).
-
-    Returns ([out, dq, dk, dv(, dsinks)] of the backend, the same of the reference). Each run gets its own
-    leaves: ``.to()`` returns the very tensor when nothing changes, and shared leaves would make the two
-    runs accumulate into one ``.grad``.
-    """
-    import torch
-
-    from polyrl.core.attention import varlen_attention
-
-    results = []
-    for target, device, dt in ((backend, backend.device(0), getattr(torch, dtype)),
-                               ("cpu", torch.device("cpu"), torch.float32)):
-        leaves = [x.detach().to(device, dt).clone().requires_grad_() for x in (q, k, v)]
-        s = None if sinks is None else sinks.detach().to(device).clone().requires_grad_()
-        out = varlen_attention(*leaves, cu_seqlens.to(device), window=window, sinks=s, backend=target)
-        out.backward(dout.to(device, dt))
-        results.append([out] + [x.grad for x in leaves] + ([s.grad] if s is not None else []))
-    return results[0], results[1]
+def backend_dtype(backend: Backend) -> str:
+    """The dtype ``backend`` computes in when it trains: its sharding policy's ``param_dtype``."""
+    return backend.sharding_policy().param_dtype
 
 
 def op_parity(backend: Backend, dtype: str) -> list[ParityRow]:
-    import torch
+    """One row per (kit case, result tensor): relative norm error beside its bar; the worst row in detail."""
+    from polyrl.testing.conformance import ATTENTION_CASES, run_attention_case
 
     rows = []
-    gen = torch.Generator().manual_seed(0)
-    doc_lens = (1, 37, 150, 5)
-    cu = torch.tensor([0, *itertools.accumulate(doc_lens)], dtype=torch.int32)
-    t = sum(doc_lens)
-    for window, sink_scale, ratio in itertools.product((None, 1, 3, 128), (None, 1.0, 30.0), (1, 8)):
-        hkv, d = 2, 64
-        q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hkv * ratio, hkv, hkv))
-        sinks = None if sink_scale is None else sink_scale * torch.randn(hkv * ratio, generator=gen)
-        dout = torch.randn(t, hkv * ratio, d, generator=gen)
-        dut, ref = run_attention_case(backend, q, k, v, cu, sinks, dout, window, dtype)
-        case = f"varlen_attention {{}} window={window} sinks={sink_scale} gqa={ratio}"
-        for label, err, bar, ok in compare_attention_results(dut, ref, dtype, window, sinks is not None):
-            status = FAIL if err is None else (PASS if ok else FAIL)
-            rows.append(ParityRow("op", case.format(label), status, err, bar, "" if err is not None else "no gradient"))
+    for case in ATTENTION_CASES:
+        result = run_attention_case(backend, case, dtype)
+        if result.raised:
+            rows.append(ParityRow("op", f"varlen_attention {case.name}", FAIL, detail=result.symptoms()[0],
+                                  dtype=dtype))
+            continue
+        for t in result.tensors:
+            if t.ok:
+                detail = "" if t.row_error is None else f"worst row {t.row_error:.1e} (bar {t.row_bar:.1e})"
+            else:
+                detail = "; ".join(t.symptoms())
+            rows.append(ParityRow("op", f"varlen_attention {case.name}: {t.name}", PASS if t.ok else FAIL,
+                                  t.error, t.bar, detail, dtype))
     return rows
 
 
@@ -113,7 +68,7 @@ def model_parity(backend: Backend, dtype: str) -> list[ParityRow]:
 
     from polyrl.core import algorithms as A
     from polyrl.core.models import build_model
-    from polyrl.core.selection import get_active_backend, set_active_backend
+    from polyrl.core.plugins.selection import get_active_backend, set_active_backend
     from polyrl.core.tolerances import TOLERANCES, check_close
 
     rows = []
@@ -138,26 +93,29 @@ def model_parity(backend: Backend, dtype: str) -> list[ParityRow]:
             key = ("model.logprobs", dtype)
             if key not in TOLERANCES:
                 rows.append(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
-                                      detail=f"no tolerance for {key} in polyrl/core/tolerances.py"))
+                                      detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
                 continue
             err, bar, ok = check_close("model.logprobs", got, ref, dtype)
-            rows.append(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar))
+            rows.append(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
+                                  "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
     finally:
         set_active_backend(previous)
     return rows
 
 
-def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS) -> list[ParityRow]:
+def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | None = None) -> list[ParityRow]:
+    """Rows of every level in ``levels``, in ``dtype`` (default: the backend's own, :func:`backend_dtype`)."""
+    dtype = dtype or backend_dtype(backend)
     avail = backend.detect()
     if not avail.available:
-        return [ParityRow(level, "all", NOT_RUN, detail=f"backend {backend.name} not available: {avail.reason}")
-                for level in levels]
-    dtype = _compute_dtype(backend)
+        return [ParityRow(level, "all", NOT_RUN, detail=f"backend {backend.name} not available: {avail.reason}",
+                          dtype=dtype) for level in levels]
     runners: dict[str, Callable[[Backend, str], list[ParityRow]]] = {"op": op_parity, "model": model_parity}
     rows: list[ParityRow] = []
     for level in levels:
         if level in runners:
             rows += runners[level](backend, dtype)
         else:
-            rows.append(ParityRow(level, "all", NOT_RUN, detail=f"level {level!r} is not implemented yet"))
+            rows.append(ParityRow(level, "all", NOT_RUN, detail=f"level {level!r} is not implemented yet",
+                                  dtype=dtype))
     return rows

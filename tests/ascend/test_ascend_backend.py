@@ -11,7 +11,7 @@ import pytest
 
 from polyrl.backends.ascend import AscendBackend
 from polyrl.backends.ascend.attention import SINK_ENV
-from polyrl.testing.conformance import NOT_RUN, PASS, run_conformance
+from polyrl.testing.conformance import ATTENTION_CASES, NOT_RUN, PASS, run_conformance
 from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
 
 
@@ -22,7 +22,7 @@ def test_conformance_kit_passes_on_the_emulator(monkeypatch, mode):
         report = run_conformance(emulated_ascend_backend())
     assert report.ok, report.format()
     attention = [c for c in report.checks if "varlen_attention" in c.name]
-    assert len(attention) == 12 and all(c.status == PASS for c in attention)
+    assert len(attention) == len(ATTENTION_CASES) and all(c.status == PASS for c in attention)
 
 
 def test_without_the_emulator_nothing_is_claimed(monkeypatch):
