@@ -20,6 +20,9 @@ class ModelConfig:
     # ("gpt_oss_tiny", "deepseek_v3_tiny", "gpt_oss_20b", ...: random init at that architecture).
     name: str = "gpt_oss_tiny"
     attn_implementation: str = "polyrl"
+    # transformers' MoE experts implementation (null: transformers' default, grouped_mm where torch has it).
+    # "batched_mm" has no data-dependent shapes: no host syncs, a fixed launch count (tiny models on a GPU).
+    experts_implementation: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     # Architecture keys passed to the model config (hidden_size, num_hidden_layers, ...).
     overrides: dict[str, Any] = field(default_factory=dict)

@@ -22,6 +22,7 @@ def build_model(
     *,
     vocab_size: int | None = None,
     attn_implementation: str = "polyrl",
+    experts_implementation: str | None = None,
     dtype: torch.dtype = torch.float32,
     overrides: dict[str, Any] | None = None,
     seed: int | None = None,
@@ -33,6 +34,7 @@ def build_model(
             "gpt_oss_20b", "gpt_oss_120b", "deepseek_v3").
         vocab_size: embedding rows (presets: set in the config; checkpoints: embeddings resized if different).
         attn_implementation: "polyrl" (default), "eager", ...
+        experts_implementation: transformers' MoE experts implementation (None: its default).
         dtype: parameter dtype.
         overrides: config fields to change (any field of the model's config; unknown ones are refused).
         seed: seeds the random init of a preset without touching the global RNG state.
@@ -43,13 +45,14 @@ def build_model(
 
     hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
     overrides = dict(overrides or {})
+    experts = {"experts_implementation": experts_implementation} if experts_implementation else {}
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         config = AutoConfig.from_pretrained(path)
         check_overrides(type(config), overrides, f"checkpoint {path!r}")
         config = AutoConfig.from_pretrained(path, **overrides) if overrides else config
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, attn_implementation=attn_implementation, dtype=dtype
+            path, config=config, attn_implementation=attn_implementation, dtype=dtype, **experts
         )
         if vocab_size is not None and vocab_size != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(vocab_size)
@@ -61,8 +64,11 @@ def build_model(
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
     config = model_config(path, **overrides)
+    if vocab_size is not None and getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= vocab_size:
+        config.pad_token_id = 0  # a preset's pad id beyond a task's small vocabulary (embedding row 0 is as good)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                 **experts)
     return model

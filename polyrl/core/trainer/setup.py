@@ -64,6 +64,7 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
     try:
         return build_model(
             name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
+            experts_implementation=cfg.model.experts_implementation,
             dtype=_DTYPES[cfg.model.dtype], overrides=overrides, seed=seed,
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
