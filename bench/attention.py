@@ -8,7 +8,7 @@ accuracy against the fp32 reference (relative norm of out, dq, dk, dv, dsink). T
 on the same inputs: FlashAttention-4 (``flash_attn.cute.flash_attn_varlen_func``, CuTe DSL) and FLA
 (``fla.ops.attn.parallel_attn``, Triton) when importable (bench/gpu_peers.sh installs them offline), else
 reported "not installed". After the table, each case prints our figure beside each peer's and the ratio
-ours/peer (below 1: ours is faster); REFERENCE.md §8 anchors appear only in place of a peer that did not run.
+ours/peer (below 1: ours is faster); docs/background.md §8 anchors appear only in place of a peer that did not run.
 
     python bench/attention.py [--quick] [--layouts 4x4096,1x16384] [--windows none,128] [--impls ...]
                               [--no-accuracy] [--out bench/results/attention.json]
@@ -33,7 +33,7 @@ import time
 import torch
 
 HQ, HKV, D = 64, 8, 64
-# REFERENCE §8, H200, packed 16k tokens, sinks on: (fwd ms, fwd+bwd ms). Shown only for a peer that did not run.
+# docs/background.md §8, H200, packed 16k tokens, sinks on: (fwd ms, fwd+bwd ms). Shown only for a peer that did not run.
 ANCHORS = {
     ("4x4096", None): {"fa4": (1.46, 4.69), "fla": (1.82, 10.13), "flex": (2.13, 8.40), "sdpa-nosink": (1.24, 5.06)},
     ("4x4096", 128): {"fa4": (0.50, 1.59), "fla": (0.83, 3.70), "flex": (0.99, 3.52)},
@@ -374,7 +374,7 @@ def comparison_lines(rows: list[dict], peers: list[str]) -> list[str]:
             ours_s = f"{_ms(e['ours_fwd_ms'])}/{_ms(e['ours_fwd_bwd_ms'])}"
             if "peer_error" in e or e["peer_fwd_ms"] is None:
                 anc = anchors.get(peer)
-                note = f"  (REFERENCE anchor, not this run: {anc[0]}/{anc[1]} ms)" if anc else ""
+                note = f"  (docs/background.md §8 anchor, not this run: {anc[0]}/{anc[1]} ms)" if anc else ""
                 lines.append(f"{key:16} {peer:12} {ours_s:>17} {e.get('peer_error', 'no figure')[:60]}{note}")
                 continue
             peer_s = f"{_ms(e['peer_fwd_ms'])}/{_ms(e['peer_fwd_bwd_ms'])}"

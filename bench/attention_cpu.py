@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results" / "attention_cpu.json"
-# REFERENCE.md §8 (H200, bf16, 64 q / 8 kv heads): eager with sink at 4096 tokens peaks at 16.4 GiB.
-ANCHOR = "H200 anchor (REFERENCE.md §8, bf16, 64q/8kv heads, 4096 tokens): eager+sink fwd+bwd 58.0 ms, 16.4 GiB"
+# docs/background.md §8 (H200, bf16, 64 q / 8 kv heads): eager with sink at 4096 tokens peaks at 16.4 GiB.
+ANCHOR = "H200 anchor (docs/background.md §8, bf16, 64q/8kv heads, 4096 tokens): eager+sink fwd+bwd 58.0 ms, 16.4 GiB"
 
 
 def _maxrss_mib() -> float:

@@ -4,7 +4,7 @@
 cut to two layers (one sliding, one full), bf16, random init, one sequence of 4k and of 16k tokens. For each
 ``attn_implementation`` — "polyrl" (the cuda backend's Triton kernel), "flex_attention", "eager" — the median
 step time and the peak memory (parameters and gradients included). Eager running out of memory at 16k is an
-expected result and is reported as such. REFERENCE.md §8 anchors are printed beside our numbers.
+expected result and is reported as such. docs/background.md §8 anchors are printed beside our numbers.
 
     python bench/model_step.py [--seqlens 4096,16384] [--out bench/results/model_step.json]
 """

@@ -1,7 +1,7 @@
 """The ``polyrl`` command: a thin argparse front over polyrl's modules.
 
 Each sub-command lives in its own module exposing ``add_parser(subparsers)`` and ``main(args) -> int``.
-Exit codes (DESIGN.md): 0 success, 1 anything else, 2 bad input — a one-line message on stderr, no
+Exit codes: 0 success, 1 anything else, 2 bad input — a one-line message on stderr, no
 traceback, nothing on disk touched. Sub-command modules raise ``BadInputError`` for bad input and this
 front turns it into the message and the code.
 """

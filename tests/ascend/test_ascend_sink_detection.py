@@ -1,4 +1,4 @@
-"""Which sink route the Ascend backend takes: the torch_npu / CANN table of REFERENCE.md §4, the
+"""Which sink route the Ascend backend takes: the torch_npu / CANN table of docs/background.md §4, the
 POLYRL_ASCEND_SINK override, and an old emulated release end to end (no sink= keyword at all)."""
 
 from __future__ import annotations

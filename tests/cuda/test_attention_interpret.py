@@ -1,7 +1,7 @@
 """The Triton kernels of the cuda backend, run on CPU tensors under TRITON_INTERPRET=1 (see conftest.py).
 
 fp32 inputs check the math exactly (1e-5 against fp64); fp16 checks the low-precision tile path (bf16
-arithmetic is wrong in the interpreter, REFERENCE §7, so bf16 is covered by the gpu tests). Shapes are tiny
+arithmetic is wrong in the interpreter, docs/background.md §7, so bf16 is covered by the gpu tests). Shapes are tiny
 (interpreter ~100x slower than torch) but chosen so tiles straddle documents, windows start mid-tile, and the
 unmasked interior loop, both masked edge loops and padded GQA groups (G = 3) all run with the 16x16 tiles the
 interpreter config uses.

@@ -1,6 +1,6 @@
 """varlen_attention on Ascend: ``torch_npu.npu_fusion_attention`` in the packed TND layout.
 
-Design choices (REFERENCE.md §2, §4):
+Design choices (docs/background.md §2, §4):
 
 - Layout TND, one call for the whole packed batch: ``actual_seq_qlen = actual_seq_kvlen = cu_seqlens[1:]``
   as a host list (cumulative ends, no leading 0). GQA is native (``head_num`` = Hq, K/V not repeated).
@@ -53,7 +53,7 @@ _detected: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch_npu 
 
 # --- sink support detection ------------------------------------------------------------------------
 def torch_npu_supports_sink(version: str) -> bool:
-    """Does this torch_npu release have ``sink=`` on npu_fusion_attention? (REFERENCE.md §4)"""
+    """Does this torch_npu release have ``sink=`` on npu_fusion_attention? (docs/background.md §4)"""
     try:
         v = Version(version)
     except InvalidVersion:

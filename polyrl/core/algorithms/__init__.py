@@ -1,6 +1,6 @@
 """RL algorithms as pure functions: advantages, losses, KL, aggregation, logprobs, DAPO sampling.
 
-``from polyrl.core import algorithms as A`` exposes the public names of docs/algorithms.md and DESIGN.md.
+``from polyrl.core import algorithms as A`` exposes the public names of docs/algorithms.md.
 Formulas follow verl (see the docs for where and why polyrl deliberately differs).
 """
 
@@ -23,8 +23,6 @@ from polyrl.core.algorithms.aggregation import (
     token_mean_scale,
 )
 from polyrl.core.algorithms.dapo import (
-    DynamicSampler,
-    DynamicSamplingExhausted,
     filter_groups,
     overlong_penalty,
 )
@@ -43,8 +41,6 @@ __all__ = [
     "KL_KINDS",
     "LOG_RATIO_CLAMP",
     "AdaptiveKLController",
-    "DynamicSampler",
-    "DynamicSamplingExhausted",
     "FixedKLController",
     "aggregate",
     "broadcast_to_tokens",

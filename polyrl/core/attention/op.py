@@ -1,6 +1,6 @@
 """The attention op of polyrl: packed causal attention with sliding window, sinks and GQA.
 
-Two forms share one semantics (DESIGN.md "Public API contract", REFERENCE.md §1-2):
+Two forms share one semantics (docs/background.md §1-2):
 
 - :func:`varlen_attention` — training: packed documents, no padding, one query per key. It validates its
   inputs once here and dispatches to the active (or named) backend, whose ``varlen_attention`` is a native

@@ -6,7 +6,7 @@ window, up to its last row). Documents are separated by a per-tile mask built fr
 short documents share one tile (cheap for RL batches of short sequences) and one long document costs a
 triangle (or a band, with a window) of tiles, never a [T, T] score matrix. Memory is linear in tokens: the
 forward keeps only the fp32 output O' and the log-sum-exp LSE' (sink included); the backward recomputes
-the scores tile by tile (REFERENCE.md §1):
+the scores tile by tile (docs/background.md §1):
 
     D_i = rowsum(dO'_i * O'_i),  P'_ij = exp(l_ij - LSE'_i),  dS_ij = P'_ij (dO'_i . v_j - D_i)
     dQ = scale dS K,  dK = scale dS^T Q,  dV = P'^T dO',  ds_h = -sum_i exp(s_h - LSE'_i) D_i

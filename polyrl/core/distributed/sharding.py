@@ -17,6 +17,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -42,15 +43,6 @@ class ShardingOptions:
     enabled: bool = True
     cpu_offload: bool = False
     reshard_after_forward: bool = True
-
-
-def _dtype(name: str) -> torch.dtype:
-    import torch
-
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise BadInputError(f"unknown dtype name {name!r} in the backend's sharding policy")
-    return dtype
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -94,8 +86,8 @@ def check_sharding(backend: Backend, world_size: int, options: object | None) ->
             f"backend {backend.name!r} does not support sharding.cpu_offload "
             f"(on the cpu backend parameters already live in host memory); set sharding.cpu_offload=false"
         )
-    for name in (policy.param_dtype, policy.reduce_dtype):
-        _dtype(name)
+    for field in ("param_dtype", "reduce_dtype"):
+        torch_dtype(getattr(policy, field), what=f"backend {backend.name!r} sharding policy {field}")
 
 
 def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = None) -> nn.Module:
@@ -121,7 +113,10 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
     mesh = init_device_mesh(backend.device_type, (world_size,))
     kwargs = {
         "mesh": mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=_dtype(bp.param_dtype), reduce_dtype=_dtype(bp.reduce_dtype)),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=torch_dtype(bp.param_dtype, what=f"backend {backend.name!r} sharding policy param_dtype"),
+            reduce_dtype=torch_dtype(bp.reduce_dtype, what=f"backend {backend.name!r} sharding policy reduce_dtype"),
+        ),
         "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
     }
     layers = decoder_layers(model)
@@ -135,7 +130,8 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
     # the same loss code gives the same gradient with 1 or N processes.
     for module in [*layers, model]:
         module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo and HCCL have no PREMUL_SUM
+        if bp.force_sum_reduction:  # the backend's collective library has no PREMUL_SUM (gloo, HCCL)
+            module.set_force_sum_reduction_for_comms(True)
     return model
 
 

@@ -1,6 +1,6 @@
 """The table of model presets, looked up by name, and ``model_config`` to build a config from one.
 
-Full-size presets describe the public checkpoints (REFERENCE.md §3) so that recipes can name them; the
+Full-size presets describe the public checkpoints (docs/background.md §3) so that recipes can name them; the
 tiny presets keep the architecture (GPT-OSS: alternating sliding/full layers, sinks, MoE, YaRN rope;
 DeepSeek-V3: MLA with Dv != D, MoE with shared experts and grouped routing, a first dense layer) at a
 width an RL run trains on 2 CPU cores in about a minute. Tiny special tokens follow

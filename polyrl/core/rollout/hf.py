@@ -16,7 +16,7 @@ import torch
 
 from polyrl.core import distributed as D
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
-from polyrl.core.rollout.sampling import sample_inverse_cdf, uniforms
+from polyrl.core.rollout.sampling import next_uniforms, row_generators, sample_inverse_cdf
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -56,9 +56,9 @@ class HFEngine:
         generator: torch.Generator | None = None,
         row_seeds: list[int] | None = None,
     ) -> RolloutOutput:
-        """``row_seeds`` (one int per prompt): token t of row i is drawn with the uniform ``hash(seed_i, t)``
-        (:mod:`polyrl.core.rollout.sampling`), so a row's response depends neither on which rows share its batch
-        or rank nor on the device. Without ``row_seeds`` they are drawn from ``generator`` (a CPU generator)."""
+        """``row_seeds`` (one int per prompt): row i draws its uniforms from its own CPU generator seeded with
+        ``row_seeds[i]`` (:mod:`polyrl.core.rollout.sampling`), so a row's response depends neither on which rows
+        share its batch or rank nor on the device. Without ``row_seeds`` they are drawn from ``generator``."""
         if row_seeds is None:
             row_seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
         chunk = params.micro_batch_size or len(prompts)
@@ -91,7 +91,7 @@ class HFEngine:
             mask[i, S - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]: 0 at each row's first real token
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
-        seeds_t = torch.tensor(seeds, dtype=torch.int64, device=device)  # [B]
+        gens = row_generators(seeds)  # CPU: the same uniforms on every backend
 
         was_training = model.training
         model.eval()
@@ -110,7 +110,7 @@ class HFEngine:
                 logits = logits / params.temperature
                 logp_all = torch.log_softmax(logits, dim=-1)
                 probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
-                nxt = sample_inverse_cdf(probs, uniforms(seeds_t, t))  # [B]
+                nxt = sample_inverse_cdf(probs, next_uniforms(gens, device))  # [B]
                 nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens[:, t] = nxt
                 logps[:, t] = logp_all.gather(-1, nxt[:, None]).squeeze(-1)

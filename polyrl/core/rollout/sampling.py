@@ -1,50 +1,31 @@
-"""Counter-based sampling: the uniform number that picks token ``t`` of a sequence is a hash of (the
-sequence's seed, t), computed with integer tensor ops on whatever device holds the logits.
+"""Sampling randomness that is the same on every device: per-sequence CPU generators, uniforms drawn on the host.
 
-Why not a ``torch.Generator`` per sequence: drawing from B generators costs B kernel launches per decode step
-(launch-bound on a GPU), generator state is device-specific (a CUDA generator cannot be saved into a CPU
-checkpoint and restored on an NPU), and each device family has its own random stream. A hash has none of these
-problems: one vectorised op per step, no state to save beyond the sequence seeds (drawn from a CPU generator
-that checkpoints save), and the same uniforms bit for bit on every device, rank count and batch composition —
-a sequence samples the same tokens on a CPU, a GPU or an NPU whenever their probabilities agree.
+Token ``t`` of sequence ``i`` is picked by inverse CDF with the ``t``-th uniform of the sequence's own generator,
+seeded from the sequence's seed (``row_seeds``). Why this shape:
 
-The hash is splitmix64's finaliser (Steele, Lea, Flood 2014) over ``seed + (t + 1) * golden``, in int64 with
-wrapping arithmetic; the top 24 bits give a float32 uniform in [0, 1) exactly.
+- per sequence: a sequence's tokens depend neither on which sequences share its batch nor on its rank, so an
+  N-process run samples what the 1-process run samples;
+- CPU generators, uniforms copied to the device once per decode step: every backend (CPU, GPU, NPU) sees the
+  same uniforms bit for bit — a device generator would give each device family its own stream, and its state
+  could not be restored on another backend;
+- the host draws B scalars per decode step (microseconds each) and the device gets one copy: no device-side
+  generator launches, no host sync.
 """
 
 from __future__ import annotations
 
 import torch
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
+
+def row_generators(seeds: list[int]) -> list[torch.Generator]:
+    """One CPU generator per sequence, seeded with its sampling seed."""
+    return [torch.Generator().manual_seed(int(s)) for s in seeds]
 
 
-def _signed(v: int) -> int:
-    """``v`` modulo 2**64 as a signed int64 (torch has no uint64 arithmetic on every device)."""
-    v &= (1 << 64) - 1
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic: clear the sign-extended bits)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on an int64 tensor (bijective, avalanching)."""
-    x = x ^ _shr(x, 30)
-    x = x * _signed(_M1)
-    x = x ^ _shr(x, 27)
-    x = x * _signed(_M2)
-    return x ^ _shr(x, 31)
-
-
-def uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
-    """float32 [B] in [0, 1): the uniform of token ``t`` for each sequence seed in ``seeds`` (int64 [B])."""
-    h = mix64(seeds + _signed((t + 1) * _GOLDEN))
-    return _shr(h, 40).to(torch.float32) * (2.0**-24)
+def next_uniforms(gens: list[torch.Generator], device: torch.device | str) -> torch.Tensor:
+    """float32 [B]: the next uniform of each sequence's generator, on ``device`` (one host-to-device copy)."""
+    u = torch.stack([torch.rand((), generator=g) for g in gens])
+    return u.to(device, non_blocking=True)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The run directory (DESIGN.md): ``config.yaml``, ``metrics.jsonl``, ``events/``, ``checkpoints/``.
+"""The run directory: ``config.yaml``, ``metrics.jsonl``, ``events/``, ``checkpoints/``.
 
 Nothing here is touched before the run's inputs have been validated: the CLI builds the trainer first
 (where bad input raises) and only then calls ``RunDir.open``. Rank 0 alone writes files; other ranks get

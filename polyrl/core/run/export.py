@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.run.checkpoint import load_model_weights, resolve_checkpoint
 
@@ -77,7 +78,7 @@ def find_metadata(step_dir: Path) -> Path:
     )
 
 
-def build_model_from_metadata(meta_dir: Path, dtype: str = "float32") -> nn.Module:
+def build_model_from_metadata(meta_dir: Path) -> nn.Module:
     """The HF model described by ``meta_dir/config.json``, on CPU, with freshly initialised weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -86,9 +87,6 @@ def build_model_from_metadata(meta_dir: Path, dtype: str = "float32") -> nn.Modu
         config = AutoConfig.from_pretrained(meta_dir, trust_remote_code=False)
     except (ValueError, OSError, json.JSONDecodeError) as exc:
         raise BadInputError(f"cannot read the model config in {str(meta_dir)!r}: {exc}") from exc
-    torch_dtype = getattr(torch, dtype, None)
-    if not isinstance(torch_dtype, torch.dtype):
-        raise BadInputError(f"unknown dtype {dtype!r} (expected float32, bfloat16 or float16)")
     model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
     return model.eval()
 
@@ -100,16 +98,16 @@ def export_checkpoint(
 
     Refuses a non-empty ``out_dir`` (BadInputError) rather than mixing two models' files.
     """
-    import torch
 
     step_dir = resolve_checkpoint(checkpoint)
     meta_dir = find_metadata(step_dir)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise BadInputError(f"output directory {str(out)!r} is not empty")
-    model = build_model_from_metadata(meta_dir, dtype)
+    out_dtype = torch_dtype(dtype, what="export dtype")  # checked before anything is read or written
+    model = build_model_from_metadata(meta_dir)
     load_model_weights(step_dir, model)
-    model = model.to(getattr(torch, dtype))
+    model = model.to(out_dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     for item in meta_dir.iterdir():  # tokenizer files (config.json came from save_pretrained just now)

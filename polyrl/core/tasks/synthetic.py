@@ -15,7 +15,7 @@ divided by ``max(len(answer), len(response))`` so that padding a response with e
 not pay. ``exact=True`` gives 1.0 for an exact match and 0.0 otherwise. A uniformly random policy
 over the ~16 tokens of a copy-k=3 tokenizer earns about 0.06 (tests/tasks measure it).
 
-Measured learnability on 2 CPU cores (REFERENCE.md §7): copy k=3 learns in seconds from random init;
+Measured learnability on 2 CPU cores (docs/background.md §7): copy k=3 learns in seconds from random init;
 reverse/sort k=5 take minutes and depend on the seed; add_mod10 does not learn in minutes.
 """
 

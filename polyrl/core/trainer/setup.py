@@ -15,11 +15,10 @@ import torch
 
 from polyrl.core import algorithms as A
 from polyrl.core.config import RunConfig
+from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.trainer.critic import ValueModel
 from polyrl.core.trainer.schedule import build_scheduler
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_task(cfg: RunConfig) -> Any:
@@ -65,7 +64,7 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
         return build_model(
             name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
             experts_implementation=cfg.model.experts_implementation,
-            dtype=_DTYPES[cfg.model.dtype], overrides=overrides, seed=seed,
+            dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None

@@ -1,6 +1,6 @@
 """Backward kernels: preprocess (D = rowsum(dO * O')), dK/dV per kv head, dQ per q tile. No atomics.
 
-The backward is a standard flash backward run on (O', LSE') — REFERENCE §1: with P'_ij = exp(l_ij - LSE'_i),
+The backward is a standard flash backward run on (O', LSE') — docs/background.md §1: with P'_ij = exp(l_ij - LSE'_i),
 ``dS = P' * (dO V^T - D)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P'^T dO``; the sink only enters
 through LSE' and through ``dsink_h = -sum_i p_sink_i D_i`` (computed by the caller from D and LSE').
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from polyrl.backends.cuda.kernels.bounds import key_ranges
 from polyrl.backends.cuda.kernels.configs import dkdv_configs, dq_configs
 from polyrl.backends.cuda.kernels.forward import prune_rows
 
@@ -96,16 +97,7 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     d_exact = tl.zeros([BLOCK_M], tl.float32)
 
-    last = tl.minimum(a + BLOCK_T, T) - 1
-    lo = tl.load(doc_start_ptr + a)
-    full_lo = tl.load(doc_start_ptr + last)
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, a - W + 1)
-        full_lo = tl.maximum(full_lo, last - W + 1)
-    k_start = (lo // BLOCK_N) * BLOCK_N
-    k_end = last + 1
-    s1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, k_start), k_end)
-    s2 = tl.minimum(tl.maximum(((a + 1) // BLOCK_N) * BLOCK_N, s1), k_end)
+    k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)  # as the forward
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     for start_n in range(k_start, s1, BLOCK_N):

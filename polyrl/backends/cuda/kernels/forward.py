@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from polyrl.backends.cuda.kernels.bounds import key_ranges
 from polyrl.backends.cuda.kernels.configs import forward_configs
 
 LOG2E = 1.4426950408889634
@@ -106,19 +107,8 @@ def attn_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # Key range of the tile: [lo, hi] inclusive, then three BLOCK_N-aligned ranges.
-    last = tl.minimum(a + BLOCK_T, T) - 1
-    ds_first = tl.load(doc_start_ptr + a)
-    ds_last = tl.load(doc_start_ptr + last)
-    lo = ds_first
-    full_lo = ds_last
-    if HAS_WINDOW:
-        lo = tl.maximum(lo, a - W + 1)
-        full_lo = tl.maximum(full_lo, last - W + 1)
-    k_start = (lo // BLOCK_N) * BLOCK_N
-    k_end = last + 1
-    s1 = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, k_start), k_end)
-    s2 = tl.minimum(tl.maximum(((a + 1) // BLOCK_N) * BLOCK_N, s1), k_end)
+    # Key range of the tile, in three BLOCK_N-aligned pieces (masked edge, unmasked interior, masked diagonal).
+    k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)
 
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
