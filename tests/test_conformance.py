@@ -17,7 +17,7 @@ import torch
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.plugins import Availability
 from polyrl.core.tolerances import REFERENCE_ATTENTION_ERRORS
-from polyrl.testing.conformance import ATTENTION_CASES, FAIL, NOT_RUN, PASS, run_conformance
+from polyrl.testing.conformance import ATTENTION_CASES, FAIL, NOT_RUN, PASS, logprobs_check, run_conformance
 
 DUMMY_SRC = Path(__file__).parent / "plugins" / "polyrl_dummy_backend"
 BUGGY_DTYPE = "bfloat16"
@@ -273,3 +273,95 @@ def test_cases_cover_what_the_contract_promises():
     assert any(max(c.doc_lens) >= 300 for c in ATTENTION_CASES)
     assert any(len(c.doc_lens) >= 6 and min(c.doc_lens) == 1 for c in ATTENTION_CASES)  # ragged
     assert any(c.fp32_sinks for c in ATTENTION_CASES) and any(c.sinks and not c.fp32_sinks for c in ATTENTION_CASES)
+
+
+# --- the log-prob kernel and the declarations -------------------------------------------------------------
+
+
+class TemperatureIgnored(CpuBackend):
+    """A fused log-prob kernel that forgets to divide by the sampling temperature."""
+
+    name = "temperature_ignored"
+    is_reference = False
+
+    def logprobs(self, logits, labels, *, chunk_size=1024, temperature=1.0, compute_entropy=True):
+        return super().logprobs(logits, labels, chunk_size=chunk_size, temperature=1.0,
+                                compute_entropy=compute_entropy)
+
+
+class LowPrecisionLogprobs(CpuBackend):
+    """Returns log-probs in the logits' dtype instead of float32."""
+
+    name = "low_precision_logprobs"
+    is_reference = False
+
+    def logprobs(self, logits, labels, **kw):
+        lp, ent = super().logprobs(logits, labels, **kw)
+        return lp.to(logits.dtype), ent.to(logits.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_reference_logprobs_kernel_passes(dtype):
+    check = logprobs_check(CpuBackend(), dtype)
+    assert check.status == PASS, check.detail
+    # The kit runs it with the attention cases.
+    assert any(c.name == f"logprobs {dtype}" for c in run_conformance("cpu", dtype=dtype, cases=()).checks)
+
+
+def test_logprobs_kernel_bugs_fail_naming_the_symptom():
+    check = logprobs_check(TemperatureIgnored(), "bfloat16")
+    assert check.status == FAIL and check.detail.startswith("log-probs differ: rel err")
+    check = logprobs_check(LowPrecisionLogprobs(), "bfloat16")
+    assert check.status == FAIL and check.detail.startswith("log-probs are bfloat16 [3, 40], expected float32")
+
+
+def _declaration(report, name):
+    return next(c for c in report.checks if c.name == name)
+
+
+class UnknownCapability(CpuBackend):
+    name = "unknown_capability"
+    is_reference = False
+    capabilities = frozenset({"bf16", "rollout:hf", "x-private", "flash"})
+
+
+class DeclaresNativeKernels(CpuBackend):
+    name = "declares_native"
+    is_reference = False
+    native_kernels = frozenset({"varlen_attention", "logprobs"})  # but runs the reference for both
+
+
+class KernelTypo(CpuBackend):
+    name = "kernel_typo"
+    is_reference = False
+    logprobs_kernel = "polyrl.core.algorithms.logprobs:logprobs_and_entropyy"
+
+
+class DetectRaises(CpuBackend):
+    name = "detect_raises"
+    is_reference = False
+
+    def detect(self):
+        raise OSError("driver exploded")
+
+
+def test_declarations_are_checked():
+    report = run_conformance(UnknownCapability(), dtype="float32", cases=ATTENTION_CASES[:1])
+    check = _declaration(report, "capabilities are in the vocabulary")
+    assert check.status == FAIL and check.detail.startswith("unknown: ['flash']")
+    report = run_conformance(DeclaresNativeKernels(), dtype="float32", cases=ATTENTION_CASES[:1])
+    assert _declaration(report, "native_kernels is derived from the kernel slots").status == FAIL
+    assert DeclaresNativeKernels().describe()["kernels_fallback"] == ["varlen_attention", "logprobs"]  # truthful
+    report = run_conformance(KernelTypo(), dtype="float32")
+    check = _declaration(report, "kernel paths resolve")
+    assert check.status == FAIL and "has no function 'logprobs_and_entropyy'" in check.detail
+    assert not report.ok and not kernel_checks(report)  # unusable: its kernels are not run
+    report = run_conformance(DetectRaises(), dtype="float32", allow_unavailable=True)
+    check = _declaration(report, "detect() returns Availability with a reason when unavailable")
+    assert check.status == FAIL and check.detail == "detect() raised OSError: driver exploded"
+
+
+def test_the_dummy_plugins_declarations_pass(dummy):
+    report = run_conformance(dummy[0](), dtype="float32", cases=ATTENTION_CASES[:1])
+    assert report.ok, report.format()
+    assert dummy[0]().native_kernels == frozenset({"varlen_attention"})

@@ -81,3 +81,23 @@ def test_cli_unknown_backend_exits_2():
     proc = subprocess.run([sys.executable, "-m", "polyrl", "parity", "--backend", "nope"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_rows_are_reported_as_they_complete():
+    seen = []
+    rows = run_parity(CpuBackend(), ("op", "step"), on_row=seen.append)
+    assert seen == rows and rows[-1].level == "step"
+
+
+def test_cli_states_the_dtype_and_references_and_prints_bars_to_two_digits(capsys):
+    from polyrl.cli import main as polyrl_main
+
+    rc = polyrl_main(["parity", "--backend", "cpu", "--level", "op", "--level", "recipe", "--dtype", "bfloat16"])
+    out = capsys.readouterr().out.splitlines()
+    assert rc == 0
+    assert out[0] == "parity of backend cpu (polyrl 0.1.0) in bfloat16 (given by --dtype)"
+    assert out[1].split()[:3] == ["op", "compared", "against"] and "rounded to bfloat16" in out[1]
+    assert "recipe" in out[2] and "not implemented" in out[2]
+    first = out[3]
+    assert first.startswith("[   pass] op") and "bar 6.8e-03" in first
+    assert any(line.startswith("[not run] recipe") for line in out)

@@ -1,4 +1,11 @@
-"""``polyrl backends [--json]``: what backends are installed, where from, and whether they can run here."""
+"""``polyrl backends [--json]``: what backends are installed, where from, and whether they can run here.
+
+For each backend: its distribution and version, whether it is available (``detect()``, isolated: an error in a
+plugin is an unavailable backend with the error's line) and healthy (its kernel paths resolve), the kernels it
+runs (``native`` when it provides them, else the reference), its capabilities (unknown names are warned about).
+Plugins that were found but not loaded — a loading rule, or an import / registration that failed — are listed
+with their distribution and the reason. Exit 0, also when a plugin is broken: this is the command that says so.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +24,7 @@ def collect() -> dict:
     registry = get_registry()
     return {
         "backends": [registry.backends[name].describe() for name in sorted(registry.backends)],
-        "not_loaded": [{"name": n, "reason": why} for n, why in sorted(registry.skipped.items())],
+        "not_loaded": [n.as_dict() for _, n in sorted(registry.not_loaded.items())],
     }
 
 
@@ -26,13 +33,22 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    print(f"{'backend':<10} {'version':<9} {'from':<18} {'available':<10} details")
+    print(f"{'backend':<10} {'version':<9} {'from':<22} {'available':<10} details")
     for b in data["backends"]:
         status = "yes" if b["available"] else "no"
-        detail = b["reason"] if not b["available"] else f"device={b['device_type']} collectives={b['collective_backend']}"
-        print(f"{b['name']:<10} {b['version']:<9} {b['distribution']:<18} {status:<10} {detail}")
+        kind = "accelerator" if b["is_accelerator"] else "reference" if b["is_reference"] else "not an accelerator"
+        detail = b["reason"] if not b["available"] else \
+            f"device={b['device_type']} collectives={b['collective_backend']} ({kind})"
+        print(f"{b['name']:<10} {b['version'] or '-':<9} {b['distribution'] or '(in-process)':<22} {status:<10} {detail}")
         print(f"{'':<10} capabilities: {', '.join(b['capabilities']) or '-'}")
-        print(f"{'':<10} kernels falling back to the reference: {', '.join(b['kernels_fallback']) or 'none'}")
-    for s in data["not_loaded"]:
-        print(f"{s['name']:<10} (installed, not loaded: {s['reason']})")
+        for kernel, path in b["kernels"].items():
+            how = "reference" if b["is_reference"] or kernel not in b["native_kernels"] else "native"
+            print(f"{'':<10} {kernel}: {how} ({path})")
+        for line in b["problems"]:
+            print(f"{'':<10} PROBLEM {line}")
+        for line in b["warnings"]:
+            print(f"{'':<10} warning: {line}")
+    for n in data["not_loaded"]:
+        state = "FAILED" if n["failed"] else "not loaded"
+        print(f"{n['name']:<10} {'':<9} {n['distribution'] or '-':<22} {state}: {n['reason']}")
     return 0

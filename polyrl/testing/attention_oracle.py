@@ -1,6 +1,6 @@
 """The fp64 dense oracle of varlen attention, for polyrl's tests and for plugin authors.
 
-Written the way transformers' eager GPT-OSS attention is (REFERENCE §1), independently of every kernel and
+Written the way transformers' eager GPT-OSS attention is (docs/background.md §1), independently of every kernel and
 of polyrl.core.attention.reference: one document at a time, K/V repeated per query head, an explicit
 causal / window mask (``q - k < window``), the sink as an extra logit column of the softmax, dropped after.
 Quadratic in document length: tiny shapes only (documents of a few hundred tokens are fine).

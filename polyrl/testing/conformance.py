@@ -1,6 +1,6 @@
 """Conformance kit for backend plugin authors.
 
-A backend is conformant when it declares what DESIGN.md asks for and its attention kernel meets the
+A backend is conformant when it declares what docs/plugins.md asks for and its attention kernel meets the
 contract of docs/plugins.md ("The kernel contract") on every case of :data:`ATTENTION_CASES`, within the
 bars of :mod:`polyrl.core.tolerances`. Use it from your plugin's test suite::
 
@@ -33,7 +33,14 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from polyrl.core.plugins import list_backends
-from polyrl.core.plugins.backend import KERNELS, Availability, Backend, ShardingPolicy
+from polyrl.core.plugins.backend import (
+    CAPABILITIES,
+    Availability,
+    Backend,
+    ShardingPolicy,
+    one_line,
+    unknown_capabilities,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -362,25 +369,119 @@ def worst_errors(results: list[CaseResult]) -> dict[str, float]:
     return worst
 
 
+def _check(name: str, ok: bool, detail: str = "") -> Check:
+    return Check(name, PASS if ok else FAIL, detail)
+
+
 def _declaration_checks(backend: Backend) -> list[Check]:
+    """What the class declares, checked without running a kernel (docs/plugins.md, "Declarations")."""
+    from polyrl.core import compat
+    from polyrl.core.plugins import get_registry
+
     checks = []
     for attr, kind in (("name", str), ("device_type", str), ("collective_backend", str)):
         value = getattr(backend, attr, None)
-        ok = isinstance(value, kind) and bool(value)
-        checks.append(Check(f"declares {attr}", PASS if ok else FAIL, repr(value)))
-    unknown = set(backend.native_kernels) - set(KERNELS)
-    checks.append(Check("native kernels are known kernel names", FAIL if unknown else PASS,
-                        f"unknown: {sorted(unknown)}" if unknown else ""))
-    avail = backend.detect()
-    checks.append(Check("detect() returns Availability with a reason when unavailable",
-                        PASS if isinstance(avail, Availability) and (avail.available or avail.reason) else FAIL,
-                        repr(avail)))
+        checks.append(_check(f"declares {attr}", isinstance(value, kind) and bool(value), repr(value)))
+    flags = (backend.is_accelerator, backend.is_reference)
+    checks.append(_check("is_accelerator / is_reference are booleans, not both true",
+                         all(isinstance(f, bool) for f in flags) and not all(flags),
+                         f"is_accelerator={flags[0]!r} is_reference={flags[1]!r}"))
+    unknown = unknown_capabilities(frozenset(backend.capabilities))
+    checks.append(_check("capabilities are in the vocabulary", not unknown,
+                         f"unknown: {unknown} (known: {sorted(CAPABILITIES)}, rollout:<engine>, x-<private>)"
+                         if unknown else ""))
+    engines = get_registry().rollout_engines
+    missing = [e for e in backend.rollout_engines if e not in engines]
+    checks.append(_check("rollout engines are registered", not missing,
+                         f"not registered: {missing} (registered: {sorted(engines)})" if missing else ""))
+    declared = getattr(backend, "native_kernels", None)
+    provided = backend.provided_kernels()
+    checks.append(_check("native_kernels is derived from the kernel slots", declared == provided,
+                         "" if declared == provided else
+                         f"the class declares native_kernels={sorted(declared or ())} but provides {sorted(provided)}: "
+                         "remove the declaration, set attention_kernel / logprobs_kernel instead"))
+    try:
+        avail = backend.detect()
+        detail = repr(avail)
+    except Exception as exc:
+        avail, detail = None, f"detect() raised {one_line(exc)}"
+    checks.append(_check("detect() returns Availability with a reason when unavailable",
+                         isinstance(avail, Availability) and (avail.available or bool(avail.reason)), detail))
+    # The kernel modules are imported only where the backend can run (vendor modules are importable there).
+    problems = backend.declaration_problems(resolve=isinstance(avail, Availability) and avail.available)
+    checks.append(_check("kernel paths resolve", not problems, "; ".join(problems)))
     policy = backend.sharding_policy()
     ok = isinstance(policy, ShardingPolicy) and {policy.param_dtype, policy.reduce_dtype} <= set(DTYPES)
-    checks.append(Check("sharding policy uses known dtypes", PASS if ok else FAIL, repr(policy)))
+    checks.append(_check("sharding policy uses known dtypes", ok, repr(policy)))
+    try:
+        rows = backend.compatibility()
+        if not isinstance(rows, compat.Compatibility):
+            raise TypeError(f"returned {type(rows).__name__}, not a polyrl.core.compat.Compatibility")
+        env = compat.read_environment(compat.CORE_COMPONENTS + tuple(rows.components), rows.facts)
+        compat.check(env, tuple(rows.rules))
+        checks.append(_check("compatibility() rows run", True))
+    except Exception as exc:
+        checks.append(_check("compatibility() rows run", False, one_line(exc)))
     describe = backend.describe()
-    checks.append(Check("describe() lists fallbacks", PASS if "kernels_fallback" in describe else FAIL))
+    checks.append(_check("describe() lists fallbacks", "kernels_fallback" in describe))
     return checks
+
+
+# --- the log-prob kernel ----------------------------------------------------------------------------------
+LOGPROBS_SHAPE = (3, 40, 97)  # [batch, T, V]: several chunks of LOGPROBS_CHUNK rows, a vocabulary not a power of 2
+LOGPROBS_CHUNK, LOGPROBS_TEMPERATURE = 16, 0.7
+
+
+def logprobs_check(backend: Backend, dtype: str) -> Check:
+    """``backend.logprobs`` against fp64 log_softmax on logits rounded to ``dtype``: log-probs and entropies in
+    float32 of the labels' shape, the gradient of a weighted sum of both in the logits' dtype, and the
+    ``compute_entropy=False`` path giving the same log-probs."""
+    import torch
+
+    from polyrl.core.tolerances import relative_error, tolerance
+
+    dt = _torch_dtype(dtype)
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(*LOGPROBS_SHAPE, generator=gen)).to(dt)
+    labels = torch.randint(0, LOGPROBS_SHAPE[-1], LOGPROBS_SHAPE[:-1], generator=gen)
+    w_lp, w_ent = torch.randn(LOGPROBS_SHAPE[:-1], generator=gen), torch.randn(LOGPROBS_SHAPE[:-1], generator=gen)
+    x = logits.double().requires_grad_()
+    logsm = torch.log_softmax(x / LOGPROBS_TEMPERATURE, -1)
+    exp_lp, exp_ent = logsm.gather(-1, labels[..., None])[..., 0], -(logsm.exp() * logsm).sum(-1)
+    (w_lp * exp_lp + w_ent * exp_ent).sum().backward()
+    device = backend.device(0)
+    y = logits.to(device).requires_grad_()
+    kw = {"chunk_size": LOGPROBS_CHUNK, "temperature": LOGPROBS_TEMPERATURE}
+    name = f"logprobs {dtype}"
+    try:
+        lp, ent = backend.logprobs(y, labels.to(device), compute_entropy=True, **kw)
+        (w_lp.to(device) * lp + w_ent.to(device) * ent).sum().backward()
+        lp_only, _ = backend.logprobs(y.detach(), labels.to(device), compute_entropy=False, **kw)
+    except Exception as exc:
+        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
+    symptoms = []
+    for what, got in (("log-probs", lp), ("entropies", ent), ("log-probs without entropy", lp_only)):
+        if tuple(got.shape) != tuple(labels.shape) or got.dtype != torch.float32:
+            symptoms.append(f"{what} are {str(got.dtype).removeprefix('torch.')} {list(got.shape)}, expected "
+                            f"float32 {list(labels.shape)}")
+    if symptoms:
+        return Check(name, FAIL, "; ".join(symptoms))
+    errors = []
+    for what, got, exp, key in (("log-probs", lp, exp_lp, "algorithms.logprobs"),
+                                ("entropies", ent, exp_ent, "algorithms.logprobs"),
+                                ("log-probs without entropy", lp_only, exp_lp, "algorithms.logprobs"),
+                                ("gradient", y.grad, x.grad, "algorithms.logprobs_grad")):
+        if got is None:
+            symptoms.append("no gradient reached the logits")
+            continue
+        err, bar = relative_error(got.cpu(), exp.detach()), tolerance(key, dtype)
+        errors.append(f"{what} {err:.1e} (bar {bar:.1e})")
+        if not err <= bar:
+            symptoms.append(f"{what} differ: rel err {err:.1e} (bar {bar:.1e})")
+    if y.grad is not None and y.grad.dtype != dt:
+        symptoms.insert(0, f"wrong gradient dtype: {str(y.grad.dtype).removeprefix('torch.')}, expected {dtype}")
+    return Check(name, FAIL if symptoms else PASS, "; ".join(symptoms) + (" | " if symptoms else "") +
+                 "rel err " + ", ".join(errors))
 
 
 def attention_checks(backend: Backend, dtype: str, cases: tuple[AttentionCase, ...] = ATTENTION_CASES
@@ -404,11 +505,12 @@ def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_una
             raise KeyError(f"backend {backend!r} is not registered; registered: {sorted(backends)}")
         backend = backends[backend]
     checks = _declaration_checks(backend)
-    avail = backend.detect()
+    avail = backend.availability()
     results: list[CaseResult] = []
     if avail.available:
         kernel_checks, results = attention_checks(backend, dtype, cases)
         checks += kernel_checks
+        checks.append(logprobs_check(backend, dtype))
     else:
         checks.append(Check("kernels vs oracle", NOT_RUN, f"backend not available: {avail.reason}"))
     return ConformanceReport(backend.name, checks, allow_unavailable, dtype, results)

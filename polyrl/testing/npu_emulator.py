@@ -3,7 +3,7 @@
 There is no NPU where polyrl's suite runs, and installing torch-npu without Ascend's CANN breaks even
 ``import torch``. So the Ascend backend is exercised against this module placed in
 ``sys.modules["torch_npu"]``: it implements ``npu_fusion_attention`` and ``npu_fusion_attention_grad`` as
-their public documentation describes them (REFERENCE.md §4), with dense per-sequence fp32 math written for
+their public documentation describes them (docs/background.md §4), with dense per-sequence fp32 math written for
 this file alone (it shares nothing with polyrl's reference attention, so agreement between the two means
 something). What it emulates:
 

@@ -1,6 +1,6 @@
 """Cross-backend parity: a backend, in the dtype it trains in, against references on the same inputs.
 
-Levels (DESIGN.md "Parity"): ``op`` — varlen_attention forward and gradients on the conformance kit's cases
+Levels (docs/parity.md): ``op`` — varlen_attention forward and gradients on the conformance kit's cases
 (:data:`polyrl.testing.conformance.ATTENTION_CASES`, one list for both) against the fp64 oracle, judged
 exactly as the kit judges them; ``model`` — per-token logprobs of the tiny GPT-OSS and DeepSeek-V3 presets,
 packed, against the cpu backend's fp32 model; ``step``/``recipe`` need the trainer and are reported
@@ -21,6 +21,14 @@ from polyrl.core.plugins import Backend
 
 LEVELS = ("op", "model", "step", "recipe")
 PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
+# What each level's rows are compared against (printed by `polyrl parity` above the rows).
+REFERENCES: dict[str, str] = {
+    "op": "the fp64 dense oracle, on the same inputs rounded to {dtype} (the conformance kit's cases and bars)",
+    "model": "the cpu backend's float32 model on the same weights and tokens",
+    "step": "a cpu training step (not implemented yet)",
+    "recipe": "a cpu run of the recipe (not implemented yet)",
+}
+OnRow = Callable[["ParityRow"], None]
 
 
 @dataclasses.dataclass
@@ -42,28 +50,38 @@ def backend_dtype(backend: Backend) -> str:
     return backend.sharding_policy().param_dtype
 
 
-def op_parity(backend: Backend, dtype: str) -> list[ParityRow]:
-    """One row per (kit case, result tensor): relative norm error beside its bar; the worst row in detail."""
+def _emitter(rows: list[ParityRow], on_row: OnRow | None) -> Callable[[ParityRow], None]:
+    def emit(row: ParityRow) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
+
+    return emit
+
+
+def op_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> list[ParityRow]:
+    """One row per (kit case, result tensor): relative norm error beside its bar; the worst row in detail.
+    ``on_row`` is called with each row as soon as its case has run (progress)."""
     from polyrl.testing.conformance import ATTENTION_CASES, run_attention_case
 
-    rows = []
+    rows: list[ParityRow] = []
+    emit = _emitter(rows, on_row)
     for case in ATTENTION_CASES:
         result = run_attention_case(backend, case, dtype)
         if result.raised:
-            rows.append(ParityRow("op", f"varlen_attention {case.name}", FAIL, detail=result.symptoms()[0],
-                                  dtype=dtype))
+            emit(ParityRow("op", f"varlen_attention {case.name}", FAIL, detail=result.symptoms()[0], dtype=dtype))
             continue
         for t in result.tensors:
             if t.ok:
                 detail = "" if t.row_error is None else f"worst row {t.row_error:.1e} (bar {t.row_bar:.1e})"
             else:
                 detail = "; ".join(t.symptoms())
-            rows.append(ParityRow("op", f"varlen_attention {case.name}: {t.name}", PASS if t.ok else FAIL,
-                                  t.error, t.bar, detail, dtype))
+            emit(ParityRow("op", f"varlen_attention {case.name}: {t.name}", PASS if t.ok else FAIL,
+                           t.error, t.bar, detail, dtype))
     return rows
 
 
-def model_parity(backend: Backend, dtype: str) -> list[ParityRow]:
+def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> list[ParityRow]:
     import torch
 
     from polyrl.core import algorithms as A
@@ -71,7 +89,8 @@ def model_parity(backend: Backend, dtype: str) -> list[ParityRow]:
     from polyrl.core.plugins.selection import get_active_backend, set_active_backend
     from polyrl.core.tolerances import TOLERANCES, check_close
 
-    rows = []
+    rows: list[ParityRow] = []
+    emit = _emitter(rows, on_row)
     doc_lens = (9, 1, 40)
     positions = torch.cat([torch.arange(n) for n in doc_lens])[None]
     previous = get_active_backend().name
@@ -92,30 +111,34 @@ def model_parity(backend: Backend, dtype: str) -> list[ParityRow]:
                 got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
             key = ("model.logprobs", dtype)
             if key not in TOLERANCES:
-                rows.append(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
-                                      detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
+                emit(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
+                               detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
                 continue
             err, bar, ok = check_close("model.logprobs", got, ref, dtype)
-            rows.append(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
-                                  "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
+            emit(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
+                           "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
     finally:
         set_active_backend(previous)
     return rows
 
 
-def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | None = None) -> list[ParityRow]:
-    """Rows of every level in ``levels``, in ``dtype`` (default: the backend's own, :func:`backend_dtype`)."""
+def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | None = None,
+               on_row: OnRow | None = None) -> list[ParityRow]:
+    """Rows of every level in ``levels``, in ``dtype`` (default: the backend's own, :func:`backend_dtype`);
+    ``on_row`` sees each row as it completes."""
     dtype = dtype or backend_dtype(backend)
-    avail = backend.detect()
-    if not avail.available:
-        return [ParityRow(level, "all", NOT_RUN, detail=f"backend {backend.name} not available: {avail.reason}",
-                          dtype=dtype) for level in levels]
-    runners: dict[str, Callable[[Backend, str], list[ParityRow]]] = {"op": op_parity, "model": model_parity}
     rows: list[ParityRow] = []
+    emit = _emitter(rows, on_row)
+    avail = backend.availability()
+    if not avail.available:
+        for level in levels:
+            emit(ParityRow(level, "all", NOT_RUN, detail=f"backend {backend.name} not available: {avail.reason}",
+                           dtype=dtype))
+        return rows
+    runners: dict[str, Callable[..., list[ParityRow]]] = {"op": op_parity, "model": model_parity}
     for level in levels:
         if level in runners:
-            rows += runners[level](backend, dtype)
+            rows += runners[level](backend, dtype, on_row)
         else:
-            rows.append(ParityRow(level, "all", NOT_RUN, detail=f"level {level!r} is not implemented yet",
-                                  dtype=dtype))
+            emit(ParityRow(level, "all", NOT_RUN, detail=f"level {level!r} is not implemented yet", dtype=dtype))
     return rows

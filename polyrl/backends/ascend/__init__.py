@@ -12,9 +12,13 @@ import glob
 import importlib.util
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from polyrl.core.compat import Compatibility
 
 
 def cann_home() -> str | None:
@@ -32,10 +36,15 @@ class AscendBackend(Backend):
     device_type = "npu"
     collective_backend = "hccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
-    native_kernels = frozenset({"varlen_attention"})
+    is_accelerator = True
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)
+
+    def compatibility(self) -> Compatibility:
+        from polyrl.backends.ascend import compat
+
+        return compat.compatibility()
 
     def detect(self) -> Availability:
         if importlib.util.find_spec("torch_npu") is None:

@@ -1,25 +1,31 @@
 """The cpu backend: the reference implementation and the default of a fresh install.
 
 Pure torch on the CPU, gloo collectives, fp32 everywhere. Every kernel is the reference from
-polyrl.core, which is what the other backends are measured against.
+polyrl.core, which is what the other backends are measured against (``is_reference``; never an accelerator).
+
+This plugin also registers polyrl's own rollout engine, ``hf``, through the same hook a third-party engine
+uses (``polyrl_register_rollout_engines``): polyrl's own plugins always load, and core reads engines from the
+registry only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from polyrl.core.compat import Compatibility
 
 
 class CpuBackend(Backend):
     name = "cpu"
     device_type = "cpu"
     collective_backend = "gloo"
-    is_reference = True
+    is_reference = True  # its kernels are the reference ones (the default slots): none "falls back"
     capabilities = frozenset({"fp32", "bf16", "fsdp2", "dcp", "rollout:hf"})
-    native_kernels = frozenset({"varlen_attention", "logprobs"})  # the reference *is* its kernel
 
     def detect(self) -> Availability:
         return Availability(True, "")
@@ -46,6 +52,11 @@ class CpuBackend(Backend):
     def set_device_rng_state(self, state: Any) -> None:
         return None
 
+    def compatibility(self) -> Compatibility:
+        from polyrl.backends.cpu import compat
+
+        return compat.compatibility()
+
     def sharding_policy(self) -> ShardingPolicy:
         # fp32 params and reductions: the CPU run is the numerical reference for parity.
         return ShardingPolicy(param_dtype="float32", reduce_dtype="float32", cpu_offload_supported=False)
@@ -54,3 +65,14 @@ class CpuBackend(Backend):
 @hookimpl
 def polyrl_register_backends(register: Callable[[type], None]) -> None:
     register(CpuBackend)
+
+
+def _hf_engine(model: Any, *, pad_token_id: int, **kwargs: Any) -> Any:
+    from polyrl.core.rollout.hf import HFEngine
+
+    return HFEngine(model, pad_token_id=pad_token_id, **kwargs)
+
+
+@hookimpl
+def polyrl_register_rollout_engines(register: Callable[[str, Any], None]) -> None:
+    register("hf", _hf_engine)

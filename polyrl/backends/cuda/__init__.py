@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from polyrl.core.compat import Compatibility
 
 
 class CudaBackend(Backend):
@@ -18,10 +22,15 @@ class CudaBackend(Backend):
     device_type = "cuda"
     collective_backend = "nccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
-    native_kernels = frozenset({"varlen_attention"})
+    is_accelerator = True
     attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)
+
+    def compatibility(self) -> Compatibility:
+        from polyrl.backends.cuda import compat
+
+        return compat.compatibility()
 
     def detect(self) -> Availability:
         import torch

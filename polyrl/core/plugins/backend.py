@@ -4,22 +4,142 @@ A backend is a small class, registered through the ``polyrl_register_backends`` 
 construct and must not touch a device in ``__init__`` or ``detect``: detection reads what is installed
 and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
-Everything a backend does not implement falls back explicitly to the reference implementation in core,
-and the fallback is listed by ``polyrl backends`` (``kernels_fallback``).
+Kernels are named, not implemented, by the class: ``attention_kernel`` and ``logprobs_kernel`` are
+``"module:function"`` paths (imported on first call, so vendor modules load only when a kernel runs). A slot
+left at its default runs the reference implementation in core. ``native_kernels`` is derived from the slots —
+a kernel is native when its slot names another function than the reference (or the method is overridden) —
+and ``polyrl backends`` lists the rest as falling back to the reference (``kernels_fallback``). A slot that
+does not resolve (a typo) makes the backend unavailable with a one-line reason (``availability()``), found
+when ``polyrl backends`` / ``polyrl doctor`` run, before any kernel does.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
 
-# Kernels a backend may provide natively; anything it does not list in ``native_kernels`` runs the
-# reference implementation from polyrl.core.
+    from polyrl.core.compat import Compatibility
+
+# The kernels a backend may provide, the class attribute naming each, and the reference implementation in core
+# that runs when the slot is left at its default.
 KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs")
+KERNEL_SLOTS: dict[str, str] = {"varlen_attention": "attention_kernel", "logprobs": "logprobs_kernel"}
+REFERENCE_KERNELS: dict[str, str] = {
+    "varlen_attention": "polyrl.core.attention.reference:reference_varlen_attention",
+    "logprobs": "polyrl.core.algorithms.logprobs:logprobs_and_entropy",
+}
+
+# The capability vocabulary (docs/plugins.md): what each name in ``Backend.capabilities`` promises. Names outside
+# it are reported by ``polyrl backends`` as warnings and fail the conformance kit; a plugin's private flags use
+# the "x-" prefix.
+CAPABILITIES: dict[str, str] = {
+    "fp32": "trains with float32 parameters",
+    "bf16": "trains with bfloat16 parameters (and its kernels take bfloat16 inputs)",
+    "fp16": "its kernels take float16 inputs",
+    "fsdp2": "FSDP2 (fully_shard) works over its collective library",
+    "dcp": "torch.distributed.checkpoint saves and loads sharded state on it",
+    "triton": "its kernels are Triton kernels (informational)",
+}
+CAPABILITY_PREFIXES: dict[str, str] = {
+    "rollout:": "rollout:<engine> — the rollout engine <engine> runs on it (one per entry of rollout_engines)",
+    "x-": "x-<name> — private to the plugin; polyrl never reads it",
+}
+
+
+def unknown_capabilities(capabilities: frozenset[str] | set[str]) -> list[str]:
+    """The names in ``capabilities`` outside the vocabulary (sorted)."""
+    return sorted(c for c in capabilities
+                  if c not in CAPABILITIES and not any(c.startswith(p) and len(c) > len(p) for p in CAPABILITY_PREFIXES))
+
+
+def one_line(exc: BaseException) -> str:
+    """``"TypeError: first line of the message"``: how a plugin's error is reported."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _split_path(path: object) -> tuple[str, str] | None:
+    if not isinstance(path, str):
+        return None
+    module, sep, func = path.partition(":")
+    if not sep or not module or not func.isidentifier() or not all(p.isidentifier() for p in module.split(".")):
+        return None
+    return module, func
+
+
+def _top_level_names(tree: ast.Module) -> tuple[set[str], bool]:
+    """Names a module binds at top level (defs, classes, assignments, imports, also inside if/try), and whether
+    it defines a module ``__getattr__`` (then any name may exist)."""
+    names: set[str] = set()
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try, ast.With)):
+            stack += node.body + getattr(node, "orelse", []) + getattr(node, "finalbody", [])
+            for handler in getattr(node, "handlers", []):
+                stack += handler.body
+    return names, "__getattr__" in names
+
+
+@functools.lru_cache(maxsize=256)
+def static_kernel_problem(path: str) -> str:
+    """What is wrong with a ``"module:function"`` kernel path, found without importing the module (vendor
+    modules stay unloaded): the module must exist and bind ``function`` at top level. "" when nothing is."""
+    parts = _split_path(path)
+    if parts is None:
+        return f"{path!r} is not a 'module:function' path"
+    module, func = parts
+    try:
+        spec = importlib.util.find_spec(module)
+    except Exception as exc:  # a parent package that fails to import
+        return f"{path!r}: cannot look up module {module} ({one_line(exc)})"
+    if spec is None:
+        return f"{path!r}: no module named {module!r}"
+    origin = spec.origin or ""
+    if not origin.endswith(".py"):
+        return ""  # an extension or namespace module: only importing it can tell (resolve_kernel)
+    try:
+        with open(origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=origin)
+    except (OSError, SyntaxError, ValueError) as exc:
+        return f"{path!r}: cannot read {origin} ({one_line(exc)})"
+    names, dynamic = _top_level_names(tree)
+    if func not in names and not dynamic:
+        return f"{path!r}: module {module} has no function {func!r}"
+    return ""
+
+
+@functools.lru_cache(maxsize=256)
+def resolve_kernel(path: str) -> Any:
+    """Import ``"module:function"`` and return the function; ``ImportError`` with a one-line reason otherwise."""
+    parts = _split_path(path)
+    if parts is None:
+        raise ImportError(f"{path!r} is not a 'module:function' path")
+    module, func = parts
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except ImportError as exc:
+        raise ImportError(f"{path!r}: cannot import {module} ({one_line(exc)})") from exc
+    except AttributeError:
+        raise ImportError(f"{path!r}: module {module} has no function {func!r}") from None
+    if not callable(fn):
+        raise ImportError(f"{path!r}: {func} is not callable")
+    return fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +162,9 @@ class ShardingPolicy:
     cpu_offload_supported: bool = True
     world_sizes_refused: tuple[int, ...] = ()
     env_defaults: dict[str, str] = dataclasses.field(default_factory=dict)
+    # FSDP reduces gradients with plain SUM instead of PREMUL_SUM (gloo and HCCL have no PREMUL_SUM; with the
+    # divide factor 1.0 polyrl uses, the two are the same reduction, so SUM is the safe default everywhere).
+    force_sum_reduction: bool = True
 
 
 class Backend:
@@ -50,13 +173,18 @@ class Backend:
     name: ClassVar[str] = ""
     device_type: ClassVar[str] = "cpu"  # torch device type: "cpu", "cuda", "npu", ...
     collective_backend: ClassVar[str] = "gloo"  # torch.distributed backend name
-    capabilities: ClassVar[frozenset[str]] = frozenset()
-    native_kernels: ClassVar[frozenset[str]] = frozenset()
+    capabilities: ClassVar[frozenset[str]] = frozenset()  # names from CAPABILITIES (docs/plugins.md)
     rollout_engines: ClassVar[tuple[str, ...]] = ("hf",)
+    # Selection picks a backend implicitly only when it is an accelerator (cuda, ascend, a ROCm plugin); a
+    # CPU plugin runs only when named. The reference (cpu) is the default when no accelerator is available.
+    is_accelerator: ClassVar[bool] = False
     is_reference: ClassVar[bool] = False  # the cpu backend: the fallback, not an accelerator
     # "module:function" of the varlen attention kernel, with the signature of
     # polyrl.core.attention.reference.reference_varlen_attention (the default: the exact reference).
-    attention_kernel: ClassVar[str] = "polyrl.core.attention.reference:reference_varlen_attention"
+    attention_kernel: ClassVar[str] = REFERENCE_KERNELS["varlen_attention"]
+    # "module:function" of the log-prob kernel, with the signature of
+    # polyrl.core.algorithms.logprobs.logprobs_and_entropy (the default: that chunked fp32 reference).
+    logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["logprobs"]
 
     # Filled in by the plugin manager: the distribution the backend came from.
     distribution: str = ""
@@ -84,9 +212,22 @@ class Backend:
         (triton, torch_npu) load only when a kernel actually runs. Override the method only when a
         backend needs more than a function call.
         """
-        module_name, _, func_name = self.attention_kernel.partition(":")
-        kernel = getattr(importlib.import_module(module_name), func_name)
+        kernel = resolve_kernel(self.attention_kernel)
         return kernel(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+
+    def logprobs(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        chunk_size: int = 1024,
+        temperature: float = 1.0,
+        compute_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-prob of ``labels`` and entropy of softmax(logits / temperature), both fp32 [..., T]
+        (contract: polyrl.core.algorithms.logprobs.logprobs_and_entropy). Runs ``logprobs_kernel``."""
+        kernel = resolve_kernel(self.logprobs_kernel)
+        return kernel(logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
 
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:
@@ -107,8 +248,8 @@ class Backend:
     # The one place that decides where things live (core never compares device types). The rule, for every
     # built-in backend (docs/devices.md): models, training batches, scores, masks and advantages live on
     # ``device(local_rank)``; every random generator the trainer owns lives on the CPU (``generator``), so a
-    # checkpoint's generator states load on any backend; sampling draws its uniforms from a counter-based hash
-    # on the compute device (polyrl.core.rollout.sampling), so no device generator is ever consumed.
+    # checkpoint's generator states load on any backend; sampling draws its uniforms on the host from per-sequence
+    # CPU generators (polyrl.core.rollout.sampling), so no device generator is ever consumed.
     def device(self, local_rank: int = 0) -> Any:
         """The torch device of this process's rank. Only called once a run has started."""
         import torch
@@ -163,22 +304,95 @@ class Backend:
         module.reset_peak_memory_stats()
         return {"memory/peak_gib": peak}
 
-    # --- reporting -----------------------------------------------------------------------------
+    # --- compatibility ---------------------------------------------------------------------------
+    def compatibility(self) -> Compatibility:
+        """This backend's rows of the compatibility table that ``polyrl doctor`` checks: the distributions to
+        report for it, facts read from the machine (a toolkit's version), and rules (polyrl.core.compat). Read
+        metadata and files only, never import a vendor module. Default: none beyond core's own rows."""
+        from polyrl.core.compat import Compatibility
+
+        return Compatibility()
+
+    # --- declarations, availability, reporting ----------------------------------------------------
+    def kernel_paths(self) -> dict[str, str]:
+        """kernel name -> the "module:function" this backend runs for it."""
+        return {k: getattr(self, slot) for k, slot in KERNEL_SLOTS.items()}
+
+    def provided_kernels(self) -> frozenset[str]:
+        """The kernels this backend provides itself: its slot names another function than the reference, or it
+        overrides the kernel method. The reference backend's kernels are its own."""
+        if self.is_reference:
+            return frozenset(KERNELS)
+        return frozenset(
+            k for k, path in self.kernel_paths().items()
+            if path != REFERENCE_KERNELS[k] or getattr(type(self), k) is not getattr(Backend, k)
+        )
+
+    @property
+    def native_kernels(self) -> frozenset[str]:
+        """Derived from the kernel slots (``provided_kernels``), never declared."""
+        return self.provided_kernels()
+
     def kernels_fallback(self) -> list[str]:
-        return [k for k in KERNELS if k not in self.native_kernels]
+        provided = self.provided_kernels()
+        return [k for k in KERNELS if k not in provided]
+
+    def declaration_problems(self, *, resolve: bool = False) -> list[str]:
+        """What is wrong with the class's declarations, one line each: kernel paths that do not resolve (checked
+        from the source without importing it; ``resolve=True`` imports the kernels, for an available backend)."""
+        problems = []
+        for kernel, path in self.kernel_paths().items():
+            slot = KERNEL_SLOTS[kernel]
+            problem = static_kernel_problem(path) if isinstance(path, str) else f"{path!r} is not a string"
+            if not problem and resolve:
+                try:
+                    resolve_kernel(path)
+                except ImportError as exc:
+                    problem = str(exc)
+            if problem:
+                problems.append(f"{slot} {problem}")
+        return problems
+
+    def declaration_warnings(self) -> list[str]:
+        unknown = unknown_capabilities(self.capabilities)
+        return [f"unknown capabilities {unknown} (vocabulary: docs/plugins.md)"] if unknown else []
+
+    def availability(self) -> Availability:
+        """``detect()``, isolated (an exception is an unavailable backend with the error's line), after the
+        declarations are checked (a kernel path that does not resolve makes the backend unusable)."""
+        problems = self.declaration_problems()
+        if problems:
+            return Availability(False, f"broken declaration: {problems[0]}")
+        try:
+            avail = self.detect()
+        except Exception as exc:  # a plugin's bug must not take the command down
+            return Availability(False, f"detect() raised {one_line(exc)}")
+        if not isinstance(avail, Availability):
+            return Availability(False, f"detect() returned {avail!r}, not an Availability")
+        return avail
+
+    def origin(self) -> str:
+        """``"cuda (polyrl 0.1.0)"``: the backend, its distribution and version (the run log's first line)."""
+        dist = " ".join(x for x in (self.distribution, self.version) if x) or "registered in-process"
+        return f"{self.name} ({dist})"
 
     def describe(self) -> dict[str, Any]:
-        avail = self.detect()
+        avail = self.availability()
         return {
             "name": self.name,
             "version": self.version,
             "distribution": self.distribution,
             "device_type": self.device_type,
             "collective_backend": self.collective_backend,
+            "is_accelerator": bool(self.is_accelerator),
+            "is_reference": bool(self.is_reference),
             "available": avail.available,
             "reason": avail.reason,
             "capabilities": sorted(self.capabilities),
-            "native_kernels": sorted(self.native_kernels),
+            "kernels": self.kernel_paths(),
+            "native_kernels": sorted(self.provided_kernels()),
             "kernels_fallback": self.kernels_fallback(),
             "rollout_engines": list(self.rollout_engines),
+            "problems": self.declaration_problems(),
+            "warnings": self.declaration_warnings(),
         }

@@ -1,9 +1,11 @@
-"""Which backend runs: the selection rule of DESIGN.md.
+"""Which backend runs: the selection rule.
 
-1. An explicit name (``--backend`` or ``backend=``) or ``POLYRL_BACKEND`` wins.
-2. Otherwise exactly one available non-reference backend is chosen.
-3. Otherwise the cpu reference backend.
-Two or more available non-reference backends without an explicit choice is an error naming them.
+1. An explicit name (``--backend`` or ``backend.name``) or ``POLYRL_BACKEND`` wins (it must be available).
+2. Otherwise the one available *accelerator* (``Backend.is_accelerator``: cuda, ascend, a ROCm plugin...).
+3. Otherwise the reference backend (cpu).
+Two or more available accelerators without an explicit choice is an error naming them. A backend that is not an
+accelerator (the reference, a third-party CPU backend) is never picked implicitly: installing a CPU plugin does
+not change what a plain ``polyrl run`` uses.
 """
 
 from __future__ import annotations
@@ -25,26 +27,27 @@ def resolve_backend(name: str | None = None) -> Backend:
     if name is not None:
         if name in backends:
             backend = backends[name]
-            avail = backend.detect()
+            avail = backend.availability()
             if not avail.available:
                 raise BackendSelectionError(f"backend {name!r} is not available: {avail.reason}")
             return backend
-        if name in registry.skipped:
-            raise BackendSelectionError(f"backend {name!r} is installed but not loaded: {registry.skipped[name]}")
+        if name in registry.not_loaded:
+            raise BackendSelectionError(f"backend {name!r} is installed but not loaded: "
+                                        f"{registry.not_loaded[name].reason}")
         raise BackendSelectionError(
             f"unknown backend {name!r}; installed backends: {', '.join(sorted(backends)) or '(none)'}"
         )
-    candidates = [b for b in backends.values() if not b.is_reference and b.detect().available]
+    candidates = [b for b in backends.values() if b.is_accelerator and b.availability().available]
     if len(candidates) > 1:
         names = ", ".join(sorted(b.name for b in candidates))
         raise BackendSelectionError(
-            f"several backends are available ({names}); choose one with --backend or POLYRL_BACKEND"
+            f"several accelerator backends are available ({names}); choose one with --backend or POLYRL_BACKEND"
         )
     if candidates:
         return candidates[0]
     reference = [b for b in backends.values() if b.is_reference]
     if not reference:
-        raise BackendSelectionError("no backend available and no reference backend installed")
+        raise BackendSelectionError("no accelerator available and no reference backend installed")
     return reference[0]
 
 

@@ -64,21 +64,21 @@ class RolloutEngine(Protocol):
     def sync_weights(self, model: Any) -> None: ...
 
 
-_ENGINES: dict[str, str] = {"hf": "polyrl.core.rollout.hf:HFEngine"}
-
-
 def engine_names() -> list[str]:
-    return sorted(_ENGINES)
+    """Rollout engines registered through the ``polyrl_register_rollout_engines`` hook (polyrl's own ``hf``
+    comes from the cpu plugin, a vLLM engine from its backend's plugin)."""
+    from polyrl.core.plugins import get_registry
+
+    return sorted(get_registry().rollout_engines)
 
 
 def build_engine(name: str, model: Any, *, pad_token_id: int, **kwargs: Any) -> RolloutEngine:
-    """The engine called ``name`` over ``model`` (colocated: it shares the trainer's weights)."""
-    import importlib
-
+    """The engine called ``name`` over ``model`` (colocated: it shares the trainer's weights), built by the
+    factory its plugin registered: ``factory(model, pad_token_id=..., **kwargs)``."""
     from polyrl.core.errors import BadInputError
+    from polyrl.core.plugins import get_registry
 
-    if name not in _ENGINES:
-        raise BadInputError(f"unknown rollout engine {name!r} (known: {', '.join(engine_names())})")
-    module_name, _, cls_name = _ENGINES[name].partition(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls(model, pad_token_id=pad_token_id, **kwargs)
+    factories = get_registry().rollout_engines
+    if name not in factories:
+        raise BadInputError(f"unknown rollout engine {name!r} (known: {', '.join(engine_names()) or '(none)'})")
+    return factories[name](model, pad_token_id=pad_token_id, **kwargs)
