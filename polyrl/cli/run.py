@@ -15,6 +15,16 @@ import os
 import sys
 from pathlib import Path
 
+# Same command, same numbers on a loaded CPU: with OpenMP's dynamic teams (OMP_DYNAMIC=TRUE) libgomp sizes
+# each parallel region by the load average, and torch's reductions split their work by team size, so the
+# results would follow the machine's load. FALSE is libgomp's default; it is forced here because only
+# this process and its torchrun workers read it, when torch loads (docs/distributed.md, "Determinism").
+os.environ["OMP_DYNAMIC"] = "FALSE"
+# Speed, not numbers: OpenMP threads that spin while waiting (libgomp's default) lose their time slices to
+# each other when other processes share the cores; sleeping waiters measured ~30x faster per step on a
+# loaded 2-core machine and no slower on an idle one. The user's choice wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="backend name (default: the selection rule)")
@@ -89,12 +99,17 @@ def main(args: argparse.Namespace) -> int:
 
 def _launch(args: argparse.Namespace, cfg, backend) -> int:
     """Validate here, in the launcher, what can be validated without a process group (so bad input
-    still exits 2 with one line), then re-run this command as ``--nproc`` torchrun workers."""
+    still exits 2 with one line), lock the run directory, then re-run this command as ``--nproc`` torchrun
+    workers. The launcher holds the directory's lock until the last worker has ended; rank 0 recognises
+    its launcher as the holder (``RunLock.acquire(delegated_by=...)``)."""
     from polyrl.core.distributed.launch import launch_torchrun
     from polyrl.core.distributed.sharding import check_sharding
     from polyrl.core.errors import BadInputError
+    from polyrl.core.run.directory import RunLock, check_unlocked, default_run_dir
     from polyrl.core.trainer.setup import build_task, check_config
 
+    out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
+    check_unlocked(out)  # a live run there: refuse before the setup below
     check_config(cfg)
     build_task(cfg)
     check_sharding(backend, args.nproc, cfg.sharding)
@@ -103,52 +118,111 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
             f"data.batch_size ({cfg.data.batch_size}) must be a multiple of --nproc ({args.nproc}): "
             "each process takes an equal share of the prompts"
         )
-    argv = ["run", args.recipe, *args.overrides]
-    for flag, value in (("--backend", args.backend), ("--output", args.output), ("--seed", args.seed)):
+    argv = ["run", args.recipe, *args.overrides, "--output", str(out)]  # every rank writes the same directory
+    for flag, value in (("--backend", args.backend), ("--seed", args.seed)):
         if value is not None:
             argv += [flag, str(value)]
     if args.no_progress:
         argv.append("--no-progress")
-    return launch_torchrun(argv, args.nproc)
+    lock = RunLock.acquire(out)
+    code = 1
+    try:
+        code = launch_torchrun(argv, args.nproc)
+    finally:
+        lock.release(undo=code == 2)  # bad input seen by a worker: nothing was written, leave no trace
+    return code
 
 
 def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
+    """One process of the run (the only one, or a torchrun worker): lifeline, signals, lock, resume, fit."""
     from polyrl.core import distributed as D
-    from polyrl.core.run.checkpoint import load_latest_checkpoint
-    from polyrl.core.run.directory import RunDir, default_run_dir
+    from polyrl.core.distributed import launch as L
+    from polyrl.core.run.checkpoint import latest_checkpoint, load_latest_checkpoint
+    from polyrl.core.run.directory import RunDir, RunDirLocked, RunLock, check_unlocked, default_run_dir
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
 
+    worker = D.under_torchrun()
+    if worker:
+        L.worker_lifeline()  # die with torchrun's agent and with the `polyrl run --nproc` launcher
+    L.install_stop_handlers()  # SIGINT/SIGTERM/SIGHUP: stop where we are (KeyboardInterrupt)
+    if args.output and not worker:
+        check_unlocked(args.output)  # a live run there: refuse before building anything
+    restore_determinism = _pin_determinism(backend)
     D.init_distributed(backend)
     D.setup_rank_logging()  # "[rank R]" on polyrl log lines; below WARNING only rank 0 speaks
     trainer = Trainer(cfg, backend)  # last place bad input can surface: nothing written yet
     out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
     out = Path(D.broadcast_object(str(out)))
-    run_dir = RunDir(out, is_main=D.is_main_process())
-    # Collective on every rank, unconditionally: rank 0 decides (a missing directory means a fresh run)
-    # and broadcasts; a per-rank is_dir() test races with rank 0 creating the directory and deadlocks.
-    resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(),
-                                     backend=backend)
-    run_dir.open(config_yaml, resume_step=resumed)
-    from polyrl.core.run.export import save_model_metadata
-
-    save_model_metadata(run_dir.checkpoints, trainer.models.actor, trainer.tokenizer)  # for `polyrl export`
+    # The lock, before the directory is read or written: rank 0 takes it (or finds its launcher holding it)
+    # and every rank learns the outcome, so a refused run leaves all ranks, not just rank 0.
+    lock, refused = None, None
+    if D.is_main_process():
+        try:
+            lock = RunLock.acquire(out, delegated_by=L.launcher_pid() if worker else None)
+        except RunDirLocked as exc:
+            refused = exc
+    if D.broadcast_object(str(refused) if refused is not None else None) is not None:
+        if refused is not None:
+            raise refused
+        return 2  # rank 0 says why, once
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
     say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
-    if resumed is not None:
-        say(f"resuming {out} from step {resumed}")
+    run_dir = RunDir(out, is_main=D.is_main_process())
+    wrote = False
     try:
-        last = fit(trainer, run_dir, progress=(not args.no_progress and sys.stderr.isatty()) or _force_bar(), log=say)
+        # Collective on every rank, unconditionally: rank 0 decides (a missing directory means a fresh run)
+        # and broadcasts; a per-rank is_dir() test races with rank 0 creating the directory and deadlocks.
+        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(), backend=backend)
+        wrote = True
+        run_dir.open(config_yaml, resume_step=resumed)
+        from polyrl.core.run.export import save_model_metadata
+
+        save_model_metadata(run_dir.checkpoints, trainer.models.actor, trainer.tokenizer)  # for `polyrl export`
+        if resumed is not None:
+            say(f"resuming {out} from step {resumed}")
+        try:
+            bar = cfg.trainer.progress_bar and ((not args.no_progress and sys.stderr.isatty()) or _force_bar())
+            last = fit(trainer, run_dir, progress=bar, log=say)
+        finally:
+            run_dir.close()
     except TrainingAborted as exc:
         say(f"error: {exc}")
         return 1
+    except BaseException as exc:
+        signum = L.stop_signal()
+        if signum is None and not isinstance(exc, KeyboardInterrupt):
+            raise
+        # Stopped by a signal (or, on another rank, by a collective broken by a stopping peer). The
+        # checkpoint being written, if any, was abandoned: only complete ones are ever loaded.
+        found = latest_checkpoint(run_dir.checkpoints) if D.is_main_process() else None
+        resume = f"resumes from step {int(found.name.split('_')[1])}" if found else "starts over (no checkpoint yet)"
+        name = L.signal_name(signum) if signum is not None else "SIGINT"
+        say(f"stopped by {name} at step {trainer.state.step}; the same command {resume}")
+        return 128 + (signum if signum is not None else 2)
     finally:
-        run_dir.close()
+        if lock is not None:
+            lock.release(undo=not wrote)
+        restore_determinism()
     if last:
         say(f"done: {out} (step {trainer.state.step}, reward/mean {last['reward/mean']:.3f})")
     else:
         say(f"nothing to do: {out} is already at step {trainer.state.step}")
     D.shutdown_distributed()
     return 0
+
+
+def _pin_determinism(backend):
+    """Same command, same metrics on the reference (CPU) backend, even on a loaded machine: deterministic
+    algorithms (torch's CPU ``index_put_(accumulate=True)`` otherwise adds floats with racing atomics
+    across threads, e.g. in the backward of the MoE expert-bias gather). Returns a function that restores
+    the previous setting (``polyrl run`` may be called in-process, e.g. by tests)."""
+    import torch
+
+    if not backend.is_reference:
+        return lambda: None
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return lambda: torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
 def _force_bar() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -57,3 +58,41 @@ def run_and_kill(cmd: list[str], when: Callable[[], bool], env: dict[str, str], 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+# --- process trees of `polyrl run --nproc N` ------------------------------------------------------------
+def tree_pids(marker: str) -> list[int]:
+    """Live processes whose command line contains ``marker`` (a run's unique --output path): the launcher,
+    torchrun's agent and the workers. Zombies have an empty command line and are not listed."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def wait_for(what: Callable[[], bool], timeout: float, message: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{message}: the run ended first (exit {proc.returncode})")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{message}: not within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def metric_lines(run_dir: Path) -> list[str]:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []

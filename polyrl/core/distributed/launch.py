@@ -1,20 +1,54 @@
-"""``polyrl run --nproc N``: re-run the same command as N local torchrun workers.
+"""``polyrl run --nproc N``: re-run the same command as N local torchrun workers, and process lifetime.
 
-The launcher process does no training: it execs ``python -m torch.distributed.run --standalone
---nproc-per-node N -m polyrl <argv without --nproc>`` and returns torchrun's exit code. Each worker sees
-torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...), which is how ``polyrl run`` knows it is a
-worker and must not launch again (``polyrl.core.distributed.under_torchrun``). Multi-node runs skip this
-launcher and call torchrun with its own rendezvous directly (docs/distributed.md).
+Process tree of ``polyrl run --nproc N``::
+
+    polyrl run --nproc N            the launcher: validates, locks the run directory, waits
+      python -m polyrl.core.distributed.launch ...     torchrun's elastic agent (own session)
+        python -m polyrl run ...    worker, rank 0      (torchrun puts each worker in its own session)
+        python -m polyrl run ...    worker, rank 1 ...
+
+The launcher does no training. It starts torchrun (``python -m torch.distributed.run --standalone
+--nproc-per-node N -m polyrl <argv without --nproc>``) through this module's ``__main__``, which only adds a
+lifeline to the agent before handing over to torchrun. Each worker sees torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, ...), which is how ``polyrl run`` knows it is a worker and must not launch again
+(``polyrl.core.distributed.under_torchrun``). Multi-node runs skip this launcher and call torchrun with its
+own rendezvous directly (docs/distributed.md).
+
+Lifetime rules, enforced here:
+
+- Workers die with their launcher. Every process below the launcher asks the kernel for SIGKILL when its
+  parent dies (``prctl(PR_SET_PDEATHSIG)``, Linux) and runs a watchdog thread that kills the process when
+  its parent, or the launcher named in ``POLYRL_LAUNCHER_PID``, is gone (every platform; it also covers
+  the window before the prctl). torchrun starts each worker in a session of its own, so a signal to the
+  launcher's process group never reaches the workers by itself: the chain launcher → agent → workers of
+  parent-death signals is what ends them.
+- SIGINT / SIGTERM / SIGHUP to the launcher are forwarded once to the agent (which is in its own session,
+  so a terminal's Ctrl-C reaches the workers exactly once); torchrun sends the same signal to every worker
+  and waits for them, SIGKILL after its shutdown timeout. A worker stops where it is (see
+  ``install_stop_handlers``): a checkpoint being written is abandoned, never half-published.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 from polyrl.core.errors import BadInputError
+
+# Set by the launcher in its children: the pid of the `polyrl run --nproc` process the workers belong to.
+LAUNCHER_PID_ENV = "POLYRL_LAUNCHER_PID"
+AGENT_PID_ENV = "POLYRL_AGENT_PID"  # set by the agent for its workers: their expected parent
+# Test-only: skip prctl(PR_SET_PDEATHSIG) so that the watchdog alone has to end orphaned processes.
+TEST_NO_PDEATHSIG_ENV = "POLYRL_TEST_NO_PDEATHSIG"
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def strip_nproc(argv: Sequence[str]) -> list[str]:
@@ -34,21 +68,30 @@ def strip_nproc(argv: Sequence[str]) -> list[str]:
     return out
 
 
-def torchrun_command(argv: Sequence[str], nproc: int, *, master_port: int | None = None) -> list[str]:
-    """The command line that starts ``nproc`` local workers running ``polyrl <argv>``.
+def torchrun_args(argv: Sequence[str], nproc: int, *, master_port: int | None = None) -> list[str]:
+    """torchrun's own arguments for ``nproc`` local workers running ``polyrl <argv>``.
 
     ``--standalone`` lets torchrun pick a free port and run its own rendezvous on localhost; a fixed
     ``master_port`` uses the static rendezvous on that port instead.
     """
     if nproc < 1:
         raise BadInputError(f"--nproc must be >= 1, got {nproc}")
-    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    args: list[str] = []
     if master_port is None:
-        cmd.append("--standalone")
+        args.append("--standalone")
     else:
-        cmd += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), "--nnodes", "1"]
-    cmd += ["--nproc-per-node", str(nproc), "-m", "polyrl", *strip_nproc(argv)]
-    return cmd
+        args += ["--master-addr", "127.0.0.1", "--master-port", str(master_port), "--nnodes", "1"]
+    return [*args, "--nproc-per-node", str(nproc), "-m", "polyrl", *strip_nproc(argv)]
+
+
+def torchrun_command(argv: Sequence[str], nproc: int, *, master_port: int | None = None) -> list[str]:
+    """The plain torchrun command line equivalent to ``polyrl <argv> --nproc N`` (what a user would type)."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(argv, nproc, master_port=master_port)]
+
+
+def agent_command(argv: Sequence[str], nproc: int, *, master_port: int | None = None) -> list[str]:
+    """The command the launcher starts: torchrun behind this module's lifeline (see ``_agent_main``)."""
+    return [sys.executable, "-m", "polyrl.core.distributed.launch", *torchrun_args(argv, nproc, master_port=master_port)]
 
 
 def launch_torchrun(
@@ -56,13 +99,229 @@ def launch_torchrun(
 ) -> int:
     """Run ``polyrl <argv>`` as ``nproc`` torchrun workers; block until they end; return the exit code.
 
-    One thread per worker for the CPU math libraries unless the user chose (``OMP_NUM_THREADS``):
-    N workers with a thread per core each would oversubscribe the machine.
+    The exit code is the first failing worker's (2 for bad input, 128+N for signal N), 0 when all succeed.
+    One thread per worker for the CPU math libraries unless the user chose (``OMP_NUM_THREADS``): N workers
+    with a thread per core each would oversubscribe the machine.
     """
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    child_env[LAUNCHER_PID_ENV] = str(os.getpid())
     # Workers must import this same polyrl even when it is not installed (run from a checkout).
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run(torchrun_command(argv, nproc, master_port=master_port), env=child_env, check=False)
-    return proc.returncode
+    cmd = agent_command(argv, nproc, master_port=master_port)
+    # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
+    agent = subprocess.Popen(cmd, env=child_env, start_new_session=True)
+    received: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        received.append(signum)
+        if agent.poll() is None:
+            agent.send_signal(signum)
+
+    previous = _set_handlers(forward)
+    try:
+        while True:
+            try:
+                code = agent.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
+                continue
+    finally:
+        _restore_handlers(previous)
+        if agent.poll() is None:  # an exception in the launcher itself: take the workers down with it
+            agent.kill()
+            agent.wait()
+    if code < 0:
+        return 128 - code
+    if received and code == 0:
+        return 128 + received[0]
+    return code
+
+
+def _set_handlers(handler: Callable[[int, object], None]) -> dict[int, object]:
+    previous = {}
+    for name in STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_handlers(previous: Mapping[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+# --- lifeline: die with the parent -------------------------------------------------------------------
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux ``PR_SET_PDEATHSIG``).
+
+    Returns False where unavailable (other systems, or disabled for a test): the watchdog remains.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get(TEST_NO_PDEATHSIG_ENV) == "1":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+class _Watchdog(threading.Thread):
+    """Kills this process (SIGKILL) when its parent changes or a watched process is gone.
+
+    Uses pidfds where available (woken the moment a watched process exits), else polls every ``poll_s``.
+    A daemon thread: it never keeps the process alive.
+    """
+
+    def __init__(self, parent: int, watched: Sequence[int], poll_s: float) -> None:
+        super().__init__(name="polyrl-lifeline", daemon=True)
+        self.parent, self.watched, self.poll_s = parent, [p for p in watched if p > 1], poll_s
+
+    def _gone(self) -> bool:
+        return os.getppid() != self.parent or any(not _alive(p) for p in self.watched)
+
+    def run(self) -> None:
+        fds = []
+        if hasattr(os, "pidfd_open"):
+            for pid in {self.parent, *self.watched}:
+                # already gone (caught by _gone) or not permitted: polling covers it
+                with contextlib.suppress(OSError):
+                    fds.append(os.pidfd_open(pid))
+        import select
+
+        poller = select.poll() if fds and hasattr(select, "poll") else None
+        for fd in fds:
+            poller.register(fd, select.POLLIN)  # type: ignore[union-attr]
+        while True:
+            if self._gone():
+                _kill_self()
+            if poller is not None:
+                poller.poll(int(self.poll_s * 1000))
+            else:
+                time.sleep(self.poll_s)
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie, i.e. exited but not yet reaped, counts as gone)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True  # no /proc: kill(pid, 0) is all we can know
+
+
+_lifeline: _Watchdog | None = None
+
+
+def _env_pid(name: str) -> int | None:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else None
+
+
+def launcher_pid() -> int | None:
+    """The pid of the `polyrl run --nproc` launcher this process was started by, if any."""
+    return _env_pid(LAUNCHER_PID_ENV)
+
+
+def die_with_parent(*, expected_parent: int | None = None, watch: Sequence[int | None] = (),
+                    poll_s: float = 1.0) -> None:
+    """Make this process end (SIGKILL) when its parent ends, or any process in ``watch`` ends. Idempotent.
+    Call it first thing in a torchrun agent or worker.
+
+    ``expected_parent``: the pid the parent should have; a different one means the real parent died before
+    the kernel's parent-death signal was armed (the process was re-parented), and the process ends at once.
+    """
+    global _lifeline
+    if _lifeline is not None:
+        return
+    parent = os.getppid()
+    set_parent_death_signal(signal.SIGKILL)
+    watched = [p for p in watch if p is not None and p > 1]
+    if (expected_parent is not None and os.getppid() != expected_parent) or any(not _alive(p) for p in watched):
+        _kill_self()
+    _lifeline = _Watchdog(parent, watched, poll_s)
+    _lifeline.start()
+
+
+def worker_lifeline() -> None:
+    """In a torchrun worker: die with the agent (the parent) and with the `polyrl run --nproc` launcher when
+    there is one. Under a torchrun started by hand only the agent is watched."""
+    die_with_parent(expected_parent=_env_pid(AGENT_PID_ENV), watch=[_env_pid(LAUNCHER_PID_ENV)])
+
+
+def check_lifeline() -> None:
+    """Before writing into the run directory: end now if the parent or launcher is gone (closes the
+    window between a launcher's death and the watchdog's next look)."""
+    if _lifeline is not None and _lifeline._gone():
+        _kill_self()
+
+
+# --- stopping on a signal ------------------------------------------------------------------------------
+_stop_signal: int | None = None
+
+
+def install_stop_handlers() -> None:
+    """SIGINT, SIGTERM and SIGHUP stop the run where it is: the first one raises ``KeyboardInterrupt`` in
+    the main thread (so ``finally`` blocks close the metrics file); later ones are ignored while stopping
+    (torchrun and a scheduler may both deliver one). Main thread only."""
+
+    def handler(signum: int, frame: object) -> None:
+        global _stop_signal
+        if _stop_signal is not None:
+            return
+        _stop_signal = signum
+        raise KeyboardInterrupt
+
+    _set_handlers(handler)
+
+
+def stop_signal() -> int | None:
+    """The signal that is stopping this process, or None."""
+    return _stop_signal
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# --- the agent: torchrun behind the lifeline ---------------------------------------------------------------
+def _agent_main(args: Sequence[str]) -> int:
+    """torchrun's elastic agent, with a lifeline to the launcher and plain exit codes.
+
+    Exit code: the first failing worker's code (so bad input in a worker still exits 2), 128+N when a
+    worker died of signal N or the agent itself was signalled.
+    """
+    die_with_parent(expected_parent=_env_pid(LAUNCHER_PID_ENV))  # the parent *is* the launcher
+    os.environ[AGENT_PID_ENV] = str(os.getpid())  # the workers' expected parent (torchrun passes os.environ on)
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(list(args)))
+    except ChildFailedError as exc:
+        _, failure = exc.get_first_failure()
+        code = failure.exitcode
+        return 128 - code if code < 0 else (code or 1)
+    except SignalException as exc:
+        return 128 + int(exc.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_agent_main(sys.argv[1:]))

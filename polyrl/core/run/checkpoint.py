@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyrl.core import distributed as D
+from polyrl.core.distributed.launch import check_lifeline
 from polyrl.core.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -331,6 +332,7 @@ def save_checkpoint(
         time.sleep(delay)
     D.barrier()  # every rank's files are on disk before anyone publishes
     if rank == 0:
+        check_lifeline()  # a worker whose launcher is gone publishes nothing
         marker = {"step": step, "world_size": world, "time": time.time()}
         _write_file_atomic(tmp / COMPLETE_MARKER, json.dumps(marker))
         if final.exists():  # re-saving a step after resuming from an older pointer

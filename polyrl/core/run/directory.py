@@ -1,27 +1,40 @@
-"""The run directory: ``config.yaml``, ``metrics.jsonl``, ``events/``, ``checkpoints/``.
+"""The run directory: ``config.yaml``, ``metrics.jsonl``, ``events/``, ``checkpoints/``, ``.lock``.
 
 Nothing here is touched before the run's inputs have been validated: the CLI builds the trainer first
-(where bad input raises) and only then calls ``RunDir.open``. Rank 0 alone writes files; other ranks get
-a RunDir whose writers do nothing.
+(where bad input raises) and only then locks the directory and calls ``RunDir.open``. Rank 0 alone writes
+files; other ranks get a RunDir whose writers do nothing.
+
+One live run per directory: a live run holds an exclusive ``flock`` on ``<run>/.lock`` (``RunLock``). The
+kernel releases it when the holder dies, however it dies, so no stale lock outlives a crash; the file
+itself stays and names the last holder (pid, host, start time). A second run on a held directory is bad
+input: ``RunDirLocked`` (exit 2, one line), raised before anything in the directory is written.
 
 ``metrics.jsonl`` holds one JSON object per step (``step``, ``reward/mean``, ``loss/policy``,
-``time/step_s``, ...). On resume the lines after the resumed step are dropped, so the file always
-describes one consistent history. TensorBoard events are written when ``tensorboard`` is installed.
+``time/step_s``, ...), each step once. On open the file is cut back to the steps the run resumes from
+(rewritten atomically: a temp file, then ``os.replace``), and the TensorBoard events are rebuilt from what
+is left, so neither ever shows a step twice or a step the resumed run has not replayed yet. Events are
+written when ``tensorboard`` is installed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from polyrl.core.errors import BadInputError
 
 CONFIG_FILE = "config.yaml"
 METRICS_FILE = "metrics.jsonl"
 EVENTS_DIR = "events"
 CHECKPOINTS_DIR = "checkpoints"
+LOCK_FILE = ".lock"
 
 
 def default_run_dir(recipe_name: str) -> Path:
@@ -32,6 +45,166 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf: keep it readable instead of invalid
     return value
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):  # not every file system lets a directory be fsynced
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a reader (or a crash) sees the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+# --- one live run per directory ---------------------------------------------------------------------------
+class RunDirLocked(BadInputError):
+    """Another live run holds the directory."""
+
+
+def _holder(lock_path: Path, tries: int = 10) -> dict[str, Any]:
+    """The holder's record (pid, host, since); it may be being written: retry briefly."""
+    for _ in range(tries):
+        try:
+            record = json.loads(lock_path.read_text(encoding="utf-8"))
+            if isinstance(record, dict) and "pid" in record:
+                return record
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return {}
+
+
+def _locked_error(run_dir: Path, holder: dict[str, Any]) -> RunDirLocked:
+    who = (f"pid {holder.get('pid')} on host {holder.get('host', '?')}, since {holder.get('since', '?')}"
+           if holder else "holder unknown")
+    return RunDirLocked(f"run directory {run_dir} is in use by a live run ({who}); wait for it to end or stop "
+                        "it, or choose another --output")
+
+
+def check_unlocked(run_dir: str | os.PathLike[str]) -> None:
+    """Raise ``RunDirLocked`` when a live run holds ``run_dir``. Creates and writes nothing (a quick look
+    before the expensive setup; ``RunLock.acquire`` decides)."""
+    import fcntl
+
+    run_dir = Path(run_dir)
+    lock_path = run_dir / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file (a fresh directory, or none at all): nobody holds it
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _locked_error(run_dir, _holder(lock_path)) from None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+class RunLock:
+    """The exclusive lock of a live run on its directory (``flock`` on ``<run>/.lock``).
+
+    ``acquire`` creates the directory when needed and takes the lock, or raises ``RunDirLocked`` naming the
+    holder. ``delegated_by=pid``: a torchrun worker of the launcher ``pid``, which already holds the lock
+    for its workers; the lock counts as this run's when its holder is that launcher on this host (a
+    worker must not wait on its own launcher's lock).
+    """
+
+    def __init__(self, run_dir: Path, fd: int | None, *, created_dir: bool, created_file: bool) -> None:
+        self.run_dir, self._fd = run_dir, fd
+        self._created_dir, self._created_file = created_dir, created_file
+
+    @property
+    def held(self) -> bool:
+        """True when this process holds the lock itself (False when its launcher does)."""
+        return self._fd is not None
+
+    @classmethod
+    def acquire(cls, run_dir: str | os.PathLike[str], *, delegated_by: int | None = None,
+                tries: int = 10) -> RunLock:
+        import fcntl
+
+        run_dir = Path(run_dir)
+        lock_path = run_dir / LOCK_FILE
+        created_dir = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            created_file = True
+        except FileExistsError:
+            fd = os.open(lock_path, os.O_RDWR)
+            created_file = False
+        try:
+            for attempt in range(tries):  # a concurrent check_unlocked holds a shared lock for microseconds
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if attempt == tries - 1:
+                        holder = _holder(lock_path)
+                        if (delegated_by is not None and holder.get("pid") == delegated_by
+                                and holder.get("host") == socket.gethostname()):
+                            os.close(fd)
+                            return cls(run_dir, None, created_dir=False, created_file=False)
+                        raise _locked_error(run_dir, holder) from None
+                    time.sleep(0.05)
+            record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(run_dir, fd, created_dir=created_dir, created_file=created_file)
+
+    def release(self, *, undo: bool = False) -> None:
+        """Release the lock. ``undo``: the run wrote nothing (bad input found late): remove the lock file
+        and the directory when this lock created them, so a refused run leaves no trace."""
+        if self._fd is None:
+            return
+        if undo and self._created_file:
+            with contextlib.suppress(OSError):
+                (self.run_dir / LOCK_FILE).unlink()
+            if self._created_dir:
+                with contextlib.suppress(OSError):
+                    self.run_dir.rmdir()  # only when empty
+        os.close(self._fd)  # the kernel drops the flock with the last descriptor
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# --- metrics and events --------------------------------------------------------------------------------
+def read_history(path: Path, keep_upto: int) -> list[dict[str, Any]]:
+    """The records of steps 1..keep_upto of a metrics file, each step once (the last line written for a
+    step wins), in step order; unreadable lines (a half-written last line of a killed run) are dropped."""
+    if not path.exists():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if 1 <= step <= keep_upto:
+            by_step[step] = record
+    return [by_step[s] for s in sorted(by_step)]
 
 
 class RunDir:
@@ -49,35 +222,47 @@ class RunDir:
     def metrics_path(self) -> Path:
         return self.path / METRICS_FILE
 
+    @property
+    def events_path(self) -> Path:
+        return self.path / EVENTS_DIR
+
     def open(self, config_yaml: str, *, resume_step: int | None = None, tensorboard: bool = True) -> RunDir:
-        """Create the directory, write the resolved config, open the metrics writers."""
+        """Create the directory, write the resolved config, cut the history back to ``resume_step`` (0 or
+        None: a fresh start) and open the metrics writers."""
         if not self.is_main:
             return self
         self.path.mkdir(parents=True, exist_ok=True)
         self.checkpoints.mkdir(exist_ok=True)
-        (self.path / CONFIG_FILE).write_text(config_yaml, encoding="utf-8")
-        self._truncate_metrics(resume_step or 0)
+        write_atomic(self.path / CONFIG_FILE, config_yaml)
+        kept = self._truncate_metrics(resume_step or 0)
         self._metrics_f = self.metrics_path.open("a", encoding="utf-8")
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # tensorboard is an optional extra
-                self._tb = None
-            else:
-                self._tb = SummaryWriter(log_dir=str(self.path / EVENTS_DIR))
+            self._tb = self._rebuild_events(kept)
         return self
 
-    def _truncate_metrics(self, keep_upto: int) -> None:
-        if not self.metrics_path.exists():
-            return
-        kept = []
-        for line in self.metrics_path.read_text(encoding="utf-8").splitlines():
-            try:
-                if int(json.loads(line)["step"]) <= keep_upto:
-                    kept.append(line)
-            except (ValueError, KeyError, TypeError):
-                continue  # a half-written last line of a killed run
-        self.metrics_path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    def _truncate_metrics(self, keep_upto: int) -> list[dict[str, Any]]:
+        """Keep exactly the lines of steps <= ``keep_upto``, rewritten atomically; returns their records."""
+        kept = read_history(self.metrics_path, keep_upto)
+        text = "".join(json.dumps(r) + "\n" for r in kept)
+        current = self.metrics_path.read_text(encoding="utf-8", errors="replace") if self.metrics_path.exists() else None
+        if current is not None and current != text:
+            write_atomic(self.metrics_path, text)
+        return kept
+
+    def _rebuild_events(self, kept: list[dict[str, Any]]) -> Any:
+        """A fresh TensorBoard event file holding exactly ``kept``: the events are a view of metrics.jsonl,
+        rebuilt from it on every open (a killed run may have left events for steps that are now dropped,
+        or lost unflushed ones)."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # tensorboard is an optional extra
+            return None
+        shutil.rmtree(self.events_path, ignore_errors=True)
+        tb = SummaryWriter(log_dir=str(self.events_path))
+        for record in kept:
+            _add_scalars(tb, record)
+        tb.flush()
+        return tb
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.is_main or self._metrics_f is None:
@@ -86,10 +271,7 @@ class RunDir:
         self._metrics_f.write(json.dumps(record, sort_keys=False) + "\n")
         self._metrics_f.flush()
         if self._tb is not None:
-            step = int(metrics["step"])
-            for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            _add_scalars(self._tb, metrics)
 
     def close(self) -> None:
         if self._metrics_f is not None:
@@ -98,3 +280,10 @@ class RunDir:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _add_scalars(tb: Any, metrics: dict[str, Any]) -> None:
+    step = int(metrics["step"])
+    for k, v in metrics.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            tb.add_scalar(k, v, step)

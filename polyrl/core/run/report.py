@@ -43,7 +43,11 @@ def _finite(value: Any) -> bool:
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """The run's metric records and the number of unreadable lines skipped (e.g. a half-written last one)."""
+    """The run's metric records and the number of unreadable lines skipped (e.g. a half-written last one).
+
+    A file that holds a step twice is refused (``BadInputError``): ``polyrl run`` writes each step once,
+    so duplicates mean two histories were mixed (two runs at once, or a file from an older polyrl).
+    """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise BadInputError(f"run directory {run_dir}: not found")
@@ -51,8 +55,9 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
     if not path.is_file():
         raise BadInputError(f"run directory {run_dir}: no {METRICS_FILE} (has the run started?)")
     records, skipped = [], 0
+    seen: dict[Any, int] = {}  # step -> line number of its first record
     with path.open("r", encoding="utf-8", errors="replace") as f:
-        for line in f:
+        for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
@@ -60,10 +65,18 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
             except json.JSONDecodeError:
                 skipped += 1
                 continue
-            if isinstance(record, dict):
-                records.append(record)
-            else:
+            if not isinstance(record, dict):
                 skipped += 1
+                continue
+            step = record.get("step")
+            if _finite(step):
+                if step in seen:
+                    # Two histories in one file (two runs at once, or a resume that did not cut the file
+                    # back): any plot of it would be garbage.
+                    raise BadInputError(f"{path}: step {step:g} appears twice (lines {seen[step]} and {lineno}); "
+                                        "a metrics file must hold each step once")
+                seen[step] = lineno
+            records.append(record)
     if not records:
         raise BadInputError(f"{path}: no metric records")
     return records, skipped

@@ -206,7 +206,11 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
     Resumes from the newest complete checkpoint in ``run_dir.checkpoints`` when there is one (the caller
     has already done so and set ``trainer.state.step``). A checkpoint is written only when every weight is
     finite. Returns the last step's metrics.
+
+    A torchrun worker whose launcher or agent is gone writes nothing more (``check_lifeline`` before each
+    metrics line; ``save_checkpoint`` checks before it publishes).
     """
+    from polyrl.core.distributed.launch import check_lifeline
     from polyrl.core.run.checkpoint import save_checkpoint
 
     cfg = trainer.cfg.trainer
@@ -219,6 +223,7 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
     try:
         while trainer.state.step < cfg.total_steps:
             last = trainer.step()
+            check_lifeline()
             run_dir.log(last)
             if bar is not None:
                 bar.set_postfix(reward=f"{last['reward/mean']:.3f}", loss=f"{last.get('loss/policy', 0.0):.4f}",
