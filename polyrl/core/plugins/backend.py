@@ -124,9 +124,10 @@ def static_kernel_problem(path: str) -> str:
     return ""
 
 
-@functools.lru_cache(maxsize=256)
 def resolve_kernel(path: str) -> Any:
-    """Import ``"module:function"`` and return the function; ``ImportError`` with a one-line reason otherwise."""
+    """Import ``"module:function"`` and return the function; ``ImportError`` with a one-line reason otherwise.
+    Not cached: the module is (sys.modules), and the attribute is read on every call so that a patched kernel
+    (a test's monkeypatch) is the one that runs."""
     parts = _split_path(path)
     if parts is None:
         raise ImportError(f"{path!r} is not a 'module:function' path")
