@@ -153,13 +153,17 @@ def policy_forward(
     temperature: float,
     chunk_size: int,
     compute_entropy: bool,
+    logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = A.logprobs_and_entropy,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies [b, R] of the responses of ``rows`` under ``model`` (differentiable)."""
+    """Log-probs and entropies [b, R] of the responses of ``rows`` under ``model`` (differentiable).
+
+    ``logprobs``: the log-prob kernel (the trainer passes its backend's ``Backend.logprobs``; the default is
+    the reference)."""
     device = next(model.parameters()).device
     kwargs, gather, dst, labels = _layout(batch, rows, packed, pad_id, device)
     logits = model(**kwargs, use_cache=False).logits  # [1, T, V] or [b, L, V]
     sel = logits.reshape(-1, logits.shape[-1]).index_select(0, gather)  # [N, V]: response positions only
-    logp, ent = A.logprobs_and_entropy(
+    logp, ent = logprobs(
         sel, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy
     )
     R = batch.mask.shape[1]

@@ -73,7 +73,7 @@ class Trainer:
             task_rng=self.state.task_rng, device=self.device,
         )
         m, c = self.models, self.state.counters
-        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id)
+        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs)
         self.critic = Learner(m.critic, m.critic_optimizer, self.state.shuffle_gen, c, packed, pad_id) if m.critic else None
 
     # --- the step ----------------------------------------------------------------------------------
@@ -118,7 +118,8 @@ class Trainer:
         budget = cfg.algorithm.micro_batch_tokens
         mask = batch.mask
         fw = self._forward_kwargs()
-        lp = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size)
+        lp = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size,
+                  logprobs=self.backend.logprobs)  # the backend's log-prob kernel (reference by default)
         # 3. old log-probs (the trainer's view of the behaviour policy), reference, critic values
         ent = torch.zeros_like(mask)
 

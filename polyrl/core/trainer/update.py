@@ -98,6 +98,7 @@ class Learner:
     counters: Any  # TrainerState.Counters: nonfinite_skipped / nonfinite_in_row
     packed: bool
     pad_id: int
+    logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # the backend's log-prob kernel
 
 
 def update_actor(
@@ -111,6 +112,7 @@ def update_actor(
         logp, ent = policy_forward(
             model, batch, rows, packed=actor.packed, pad_id=actor.pad_id, temperature=cfg.rollout.temperature,
             chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=alg.entropy_coeff > 0,
+            **({"logprobs": actor.logprobs} if actor.logprobs is not None else {}),
         )
         mask, old, adv = batch.mask[rows], old_logp[rows], advantages[rows]
         agg = dict(agg=alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq, max_len=cfg.rollout.max_response_length)
