@@ -1,5 +1,5 @@
 """Suite-wide setup: third-party plugin autoload is off, so a plugin installed on this machine cannot
-change results; tests that need a plugin turn it on (tests/test_plugins.py)."""
+change results; tests that need a plugin turn it on (tests/plugins/test_plugins.py)."""
 
 from __future__ import annotations
 

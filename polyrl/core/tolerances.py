@@ -29,14 +29,14 @@ if TYPE_CHECKING:
 #
 # THE RULE: bar = ATTENTION_MARGIN[dtype] x the worst error of polyrl's own reference kernel (the cpu
 # backend) over the kit's cases (polyrl.testing.conformance.ATTENTION_CASES), rounded up to 2 significant
-# digits. The measured errors are recorded below; tests/test_conformance.py re-measures them on every run
+# digits. The measured errors are recorded below; tests/testing/test_conformance.py re-measures them on every run
 # and fails when the record drifts, so the bars cannot silently stop being derived from it.
 # - bfloat16 / float16, margin 4: the error is the final rounding of the results to the input dtype, which
 #   every correct kernel shares. A FlashAttention-2-style kernel that also rounds P before P.V, dS before
 #   dQ/dK and reads D from its rounded output (emulated on CPU) measures 1.2x-2.2x the reference, so the
 #   bars hold a correct accelerator kernel with margin >= 1.8; the cuda backend's Triton kernel on an H200
 #   measured bf16 forward 2.1e-3, forward.row 4.7e-3, grad 2.4e-3, grad.row 5.1e-3, dsinks 2.9e-3 (margin
-#   >= 2.3). The planted bugs of tests/test_conformance.py measure well above the bars.
+#   >= 2.3). The planted bugs of tests/testing/test_conformance.py measure well above the bars.
 # - float32, margin 32: the error is accumulation order, which differs between correct kernels (blocking,
 #   online vs two-pass softmax, exp2 folding) by more than the final rounding does; any real bug is >= 1e-3.
 ATTENTION_MARGIN = {"float32": 32, "bfloat16": 4, "float16": 4}

@@ -3,7 +3,7 @@
 Available only when POLYRL_DUMMY_AVAILABLE=1 (so tests can exercise selection). It is a CPU backend, so not an
 accelerator: selection never picks it implicitly, unless POLYRL_DUMMY_ACCELERATOR=1 (read at import) says it is
 one (for the selection tests). Its attention kernel is native (``attention_kernel`` names its own function), its
-log-prob kernel the reference (the slot is left at its default). tests/test_conformance.py runs the conformance
+log-prob kernel the reference (the slot is left at its default). tests/testing/test_conformance.py runs the conformance
 kit on it in fp32 and bf16, and plants bugs in its kernel that the kit must catch.
 """
 

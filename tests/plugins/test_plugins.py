@@ -20,7 +20,7 @@ from polyrl.core.errors import BackendSelectionError, BadInputError
 from polyrl.core.plugins import selection
 from polyrl.testing.plugin_site import install_plugins
 
-PLUGIN_SRC = Path(__file__).parent / "plugins"
+PLUGIN_SRC = Path(__file__).parent
 SOURCES = [PLUGIN_SRC / "polyrl_dummy_backend", PLUGIN_SRC / "polyrl_faulty_plugins"]
 FAULTY = "polyrl-faulty-plugins"
 

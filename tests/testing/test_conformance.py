@@ -19,7 +19,7 @@ from polyrl.core.plugins import Availability
 from polyrl.core.tolerances import REFERENCE_ATTENTION_ERRORS
 from polyrl.testing.conformance import ATTENTION_CASES, FAIL, NOT_RUN, PASS, logprobs_check, run_conformance
 
-DUMMY_SRC = Path(__file__).parent / "plugins" / "polyrl_dummy_backend"
+DUMMY_SRC = Path(__file__).parent.parent / "plugins" / "polyrl_dummy_backend"
 BUGGY_DTYPE = "bfloat16"
 
 
