@@ -272,10 +272,13 @@ def check_lifeline() -> None:
 _stop_signal: int | None = None
 
 
-def install_stop_handlers() -> None:
+def install_stop_handlers() -> Callable[[], None]:
     """SIGINT, SIGTERM and SIGHUP stop the run where it is: the first one raises ``KeyboardInterrupt`` in
     the main thread (so ``finally`` blocks close the metrics file); later ones are ignored while stopping
-    (torchrun and a scheduler may both deliver one). Main thread only."""
+    (torchrun and a scheduler may both deliver one). Main thread only. Returns a function that puts the
+    previous handlers back (``polyrl run`` may be called in-process, e.g. by tests)."""
+    global _stop_signal
+    _stop_signal = None
 
     def handler(signum: int, frame: object) -> None:
         global _stop_signal
@@ -284,7 +287,8 @@ def install_stop_handlers() -> None:
         _stop_signal = signum
         raise KeyboardInterrupt
 
-    _set_handlers(handler)
+    previous = _set_handlers(handler)
+    return lambda: _restore_handlers(previous)
 
 
 def stop_signal() -> int | None:
