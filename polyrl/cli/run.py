@@ -172,10 +172,14 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
             lock = RunLock.acquire(out, delegated_by=L.launcher_pid() if worker else None)
         except RunDirLocked as exc:
             refused = exc
-    if D.broadcast_object(str(refused) if refused is not None else None) is not None:
-        if refused is not None:
-            raise refused
-        return 2  # rank 0 says why, once
+    reason = D.broadcast_object(str(refused) if refused is not None else None)
+    if reason is not None:
+        if not D.is_distributed():
+            raise refused  # type: ignore[misc]
+        if D.is_main_process():  # say why once, before any rank exits (torchrun stops the others then)
+            print(f"polyrl run: error: {reason}", file=sys.stderr, flush=True)
+        D.barrier()
+        return 2
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
     run_dir = RunDir(out, is_main=D.is_main_process())
     wrote = False

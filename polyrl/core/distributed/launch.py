@@ -110,33 +110,28 @@ def launch_torchrun(
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
     cmd = agent_command(argv, nproc, master_port=master_port)
-    # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
-    agent = subprocess.Popen(cmd, env=child_env, start_new_session=True)
-    received: list[int] = []
+    agent: subprocess.Popen | None = None
+    early: list[int] = []  # signals that came before the agent existed
 
     def forward(signum: int, frame: object) -> None:
-        received.append(signum)
-        if agent.poll() is None:
+        if agent is None:
+            early.append(signum)
+        elif agent.poll() is None:
             agent.send_signal(signum)
 
-    previous = _set_handlers(forward)
+    previous = _set_handlers(forward)  # before the start: no signal may find the launcher unprepared
     try:
-        while True:
-            try:
-                code = agent.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
-                continue
+        # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
+        agent = subprocess.Popen(cmd, env=child_env, start_new_session=True)
+        for signum in early[:1]:
+            agent.send_signal(signum)
+        code = agent.wait()
     finally:
         _restore_handlers(previous)
-        if agent.poll() is None:  # an exception in the launcher itself: take the workers down with it
+        if agent is not None and agent.poll() is None:  # the launcher itself failed: take the run down with it
             agent.kill()
             agent.wait()
-    if code < 0:
-        return 128 - code
-    if received and code == 0:
-        return 128 + received[0]
-    return code
+    return 128 - code if code < 0 else code
 
 
 def _set_handlers(handler: Callable[[int, object], None]) -> dict[int, object]:
