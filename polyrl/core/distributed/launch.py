@@ -135,10 +135,11 @@ def launch_torchrun(
 
 
 def _set_handlers(handler: Callable[[int, object], None]) -> dict[int, object]:
+    """``handler`` for the stop signals, except those ignored on purpose (``nohup`` ignores SIGHUP)."""
     previous = {}
     for name in STOP_SIGNALS:
         sig = getattr(signal, name, None)
-        if sig is not None:
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
             previous[sig] = signal.signal(sig, handler)
     return previous
 
@@ -274,9 +275,14 @@ def install_stop_handlers() -> Callable[[], None]:
     previous handlers back (``polyrl run`` may be called in-process, e.g. by tests)."""
     global _stop_signal
     _stop_signal = None
+    owner = os.getpid()
 
     def handler(signum: int, frame: object) -> None:
         global _stop_signal
+        if os.getpid() != owner:  # a forked child (e.g. a reward worker) that inherited the handler: default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if _stop_signal is not None:
             return
         _stop_signal = signum

@@ -138,6 +138,8 @@ class RunLock:
 
         run_dir = Path(run_dir)
         lock_path = run_dir / LOCK_FILE
+        if run_dir.exists() and not run_dir.is_dir():
+            raise BadInputError(f"run directory {run_dir} is a file, not a directory")
         created_dir = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
