@@ -3,7 +3,10 @@
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
 raises ``BadInputError`` on the way and the CLI front prints one line and exits 2. Only then is the run
-directory opened (resuming from its last complete checkpoint when it has one) and the loop started.
+directory locked (one live run per directory: a directory held by a live run is bad input too, found
+before anything there is written), opened (resuming from its last complete checkpoint when it has one)
+and the loop started. Under ``--nproc`` the launcher holds the lock and its workers die with it
+(``polyrl.core.distributed.launch``); SIGINT/SIGTERM/SIGHUP stop every process where it is (exit 128+N).
 
 Module-level imports stay light: ``polyrl backends`` imports this module to build its parser.
 """
@@ -137,34 +140,49 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     """One process of the run (the only one, or a torchrun worker): lifeline, signals, lock, resume, fit."""
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
+
+    if D.under_torchrun():
+        L.worker_lifeline()  # die with torchrun's agent and with the `polyrl run --nproc` launcher
+    restore_handlers = L.install_stop_handlers()  # SIGINT/SIGTERM/SIGHUP: stop where we are
+    restore_determinism = _pin_determinism(backend)
+    try:
+        return _train_in_dir(args, cfg, backend, config_yaml)
+    finally:
+        restore_determinism()
+        restore_handlers()
+
+
+def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
+    from polyrl.core import distributed as D
+    from polyrl.core.distributed import launch as L
     from polyrl.core.run.checkpoint import latest_checkpoint, load_latest_checkpoint
     from polyrl.core.run.directory import RunDir, RunDirLocked, RunLock, check_unlocked, default_run_dir
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
 
     worker = D.under_torchrun()
-    if worker:
-        L.worker_lifeline()  # die with torchrun's agent and with the `polyrl run --nproc` launcher
-    L.install_stop_handlers()  # SIGINT/SIGTERM/SIGHUP: stop where we are (KeyboardInterrupt)
     if args.output and not worker:
         check_unlocked(args.output)  # a live run there: refuse before building anything
-    restore_determinism = _pin_determinism(backend)
     D.init_distributed(backend)
     D.setup_rank_logging()  # "[rank R]" on polyrl log lines; below WARNING only rank 0 speaks
     trainer = Trainer(cfg, backend)  # last place bad input can surface: nothing written yet
     out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
     out = Path(D.broadcast_object(str(out)))
     # The lock, before the directory is read or written: rank 0 takes it (or finds its launcher holding it)
-    # and every rank learns the outcome, so a refused run leaves all ranks, not just rank 0.
+    # and every rank learns the outcome, so a refused run ends all ranks, not just rank 0.
     lock, refused = None, None
     if D.is_main_process():
         try:
             lock = RunLock.acquire(out, delegated_by=L.launcher_pid() if worker else None)
         except RunDirLocked as exc:
             refused = exc
-    if D.broadcast_object(str(refused) if refused is not None else None) is not None:
-        if refused is not None:
-            raise refused
-        return 2  # rank 0 says why, once
+    reason = D.broadcast_object(str(refused) if refused is not None else None)
+    if reason is not None:
+        if not D.is_distributed():
+            raise refused  # type: ignore[misc]
+        if D.is_main_process():  # say why once, before any rank exits (torchrun stops the others then)
+            print(f"polyrl run: error: {reason}", file=sys.stderr, flush=True)
+        D.barrier()
+        return 2
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
     say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
     run_dir = RunDir(out, is_main=D.is_main_process())
@@ -192,17 +210,16 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
         signum = L.stop_signal()
         if signum is None and not isinstance(exc, KeyboardInterrupt):
             raise
-        # Stopped by a signal (or, on another rank, by a collective broken by a stopping peer). The
-        # checkpoint being written, if any, was abandoned: only complete ones are ever loaded.
+        # Stopped by a signal (or, on another rank, by a collective broken by a stopping peer). A checkpoint
+        # being written was abandoned: only complete ones are ever loaded.
+        signum = signum if signum is not None else 2  # a KeyboardInterrupt raised by Python's own handler
         found = latest_checkpoint(run_dir.checkpoints) if D.is_main_process() else None
         resume = f"resumes from step {int(found.name.split('_')[1])}" if found else "starts over (no checkpoint yet)"
-        name = L.signal_name(signum) if signum is not None else "SIGINT"
-        say(f"stopped by {name} at step {trainer.state.step}; the same command {resume}")
-        return 128 + (signum if signum is not None else 2)
+        say(f"stopped by {L.signal_name(signum)} at step {trainer.state.step}; the same command {resume}")
+        return 128 + signum
     finally:
         if lock is not None:
             lock.release(undo=not wrote)
-        restore_determinism()
     if last:
         say(f"done: {out} (step {trainer.state.step}, reward/mean {last['reward/mean']:.3f})")
     else:

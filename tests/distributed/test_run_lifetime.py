@@ -71,19 +71,22 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, bytes]]:
 # --- the uninterrupted reference, twice ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], list[dict]]:
-    """Two uninterrupted 2-process runs of the same command, the second with a busy process loading the
-    machine (2 cores: 2 workers x 2 threads + the load)."""
+    """Two uninterrupted 2-process runs of the same command, at the same time: each loads the 2-core
+    machine for the other (4 workers x 2 threads), so thread scheduling differs between them."""
+    dirs = [tmp_path_factory.mktemp(name) / "run" for name in ("a", "b")]
+    procs = [subprocess.Popen(run_cmd(d), env=child_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+             for d in dirs]
+    try:
+        errs = [p.communicate(timeout=600)[1].decode() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     out = []
-    for name in ("a", "b"):
-        run_dir = tmp_path_factory.mktemp(name) / "run"
-        load = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if name == "b" else None
-        try:
-            run_to_end(run_cmd(run_dir))
-        finally:
-            if load is not None:
-                load.kill()
-                load.wait()
-        metrics = read_metrics(run_dir)
+    for d, p, err in zip(dirs, procs, errs):
+        assert p.returncode == 0, err[-3000:]
+        metrics = read_metrics(d)
         assert [m["step"] for m in metrics] == list(range(1, TOTAL + 1))
         out.append(without_time(metrics))
     assert len({m["reward/mean"] for m in out[0]}) > 1  # it is really sampling and learning

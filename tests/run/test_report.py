@@ -95,3 +95,16 @@ def test_metrics_file_without_records_is_bad_input(tmp_path):
     (run / "metrics.jsonl").write_text("\n[1, 2]\n")
     with pytest.raises(BadInputError, match="no metric records"):
         write_report(run)
+
+
+def test_duplicate_steps_are_refused_with_one_line(tmp_path, capsys):
+    """Two histories in one file (two runs at once, or an old resume): refused, not plotted."""
+    run = make_run(tmp_path, steps=5, config=False)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "reward/mean": 0.1, "loss/policy": 0.2}) + "\n")
+    with pytest.raises(BadInputError, match=r"step 3 appears twice \(lines 3 and 6\)"):
+        read_metrics(run)
+    assert cli_main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "step 3 appears twice" in err and "Traceback" not in err
+    assert not (run / "report.png").exists() and not (run / "report.md").exists()

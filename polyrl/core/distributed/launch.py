@@ -110,40 +110,36 @@ def launch_torchrun(
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     child_env["PYTHONPATH"] = os.pathsep.join(p for p in (root, child_env.get("PYTHONPATH", "")) if p)
     cmd = agent_command(argv, nproc, master_port=master_port)
-    # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
-    agent = subprocess.Popen(cmd, env=child_env, start_new_session=True)
-    received: list[int] = []
+    agent: subprocess.Popen | None = None
+    early: list[int] = []  # signals that came before the agent existed
 
     def forward(signum: int, frame: object) -> None:
-        received.append(signum)
-        if agent.poll() is None:
+        if agent is None:
+            early.append(signum)
+        elif agent.poll() is None:
             agent.send_signal(signum)
 
-    previous = _set_handlers(forward)
+    previous = _set_handlers(forward)  # before the start: no signal may find the launcher unprepared
     try:
-        while True:
-            try:
-                code = agent.wait()
-                break
-            except InterruptedError:  # pragma: no cover - PEP 475 retries, kept for safety
-                continue
+        # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once.
+        agent = subprocess.Popen(cmd, env=child_env, start_new_session=True)
+        for signum in early[:1]:
+            agent.send_signal(signum)
+        code = agent.wait()
     finally:
         _restore_handlers(previous)
-        if agent.poll() is None:  # an exception in the launcher itself: take the workers down with it
+        if agent is not None and agent.poll() is None:  # the launcher itself failed: take the run down with it
             agent.kill()
             agent.wait()
-    if code < 0:
-        return 128 - code
-    if received and code == 0:
-        return 128 + received[0]
-    return code
+    return 128 - code if code < 0 else code
 
 
 def _set_handlers(handler: Callable[[int, object], None]) -> dict[int, object]:
+    """``handler`` for the stop signals, except those ignored on purpose (``nohup`` ignores SIGHUP)."""
     previous = {}
     for name in STOP_SIGNALS:
         sig = getattr(signal, name, None)
-        if sig is not None:
+        if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
             previous[sig] = signal.signal(sig, handler)
     return previous
 
@@ -272,19 +268,28 @@ def check_lifeline() -> None:
 _stop_signal: int | None = None
 
 
-def install_stop_handlers() -> None:
+def install_stop_handlers() -> Callable[[], None]:
     """SIGINT, SIGTERM and SIGHUP stop the run where it is: the first one raises ``KeyboardInterrupt`` in
     the main thread (so ``finally`` blocks close the metrics file); later ones are ignored while stopping
-    (torchrun and a scheduler may both deliver one). Main thread only."""
+    (torchrun and a scheduler may both deliver one). Main thread only. Returns a function that puts the
+    previous handlers back (``polyrl run`` may be called in-process, e.g. by tests)."""
+    global _stop_signal
+    _stop_signal = None
+    owner = os.getpid()
 
     def handler(signum: int, frame: object) -> None:
         global _stop_signal
+        if os.getpid() != owner:  # a forked child (e.g. a reward worker) that inherited the handler: default
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if _stop_signal is not None:
             return
         _stop_signal = signum
         raise KeyboardInterrupt
 
-    _set_handlers(handler)
+    previous = _set_handlers(handler)
+    return lambda: _restore_handlers(previous)
 
 
 def stop_signal() -> int | None:

@@ -138,6 +138,8 @@ class RunLock:
 
         run_dir = Path(run_dir)
         lock_path = run_dir / LOCK_FILE
+        if run_dir.exists() and not run_dir.is_dir():
+            raise BadInputError(f"run directory {run_dir} is a file, not a directory")
         created_dir = not run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -252,17 +254,13 @@ class RunDir:
     def _rebuild_events(self, kept: list[dict[str, Any]]) -> Any:
         """A fresh TensorBoard event file holding exactly ``kept``: the events are a view of metrics.jsonl,
         rebuilt from it on every open (a killed run may have left events for steps that are now dropped,
-        or lost unflushed ones)."""
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:  # tensorboard is an optional extra
-            return None
-        shutil.rmtree(self.events_path, ignore_errors=True)
-        tb = SummaryWriter(log_dir=str(self.events_path))
-        for record in kept:
-            _add_scalars(tb, record)
-        tb.flush()
-        return tb
+        or lost unflushed ones). One event per step: thousands of steps take a fraction of a second."""
+        writer = _EventWriter.open(self.events_path)
+        if writer is not None:
+            for record in kept:
+                writer.add(record)
+            writer.flush()
+        return writer
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.is_main or self._metrics_f is None:
@@ -271,7 +269,7 @@ class RunDir:
         self._metrics_f.write(json.dumps(record, sort_keys=False) + "\n")
         self._metrics_f.flush()
         if self._tb is not None:
-            _add_scalars(self._tb, metrics)
+            self._tb.add(metrics)
 
     def close(self) -> None:
         if self._metrics_f is not None:
@@ -282,8 +280,33 @@ class RunDir:
             self._tb = None
 
 
-def _add_scalars(tb: Any, metrics: dict[str, Any]) -> None:
-    step = int(metrics["step"])
-    for k, v in metrics.items():
-        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-            tb.add_scalar(k, v, step)
+class _EventWriter:
+    """TensorBoard scalars, one event per step (tag = metric name), through tensorboard's own event-file
+    writer (what torch's SummaryWriter uses underneath). None when tensorboard is not installed."""
+
+    def __init__(self, writer: Any, event_cls: Any, summary_cls: Any) -> None:
+        self._writer, self._event, self._summary = writer, event_cls, summary_cls
+
+    @classmethod
+    def open(cls, path: Path) -> _EventWriter | None:
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+            from tensorboard.compat.proto.summary_pb2 import Summary
+            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+        except ImportError:  # tensorboard is an optional extra
+            return None
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        return cls(EventFileWriter(str(path)), Event, Summary)
+
+    def add(self, metrics: dict[str, Any]) -> None:
+        values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
+                  if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
+        event = self._event(wall_time=time.time(), step=int(metrics["step"]), summary=self._summary(value=values))
+        self._writer.add_event(event)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
