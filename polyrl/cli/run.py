@@ -146,7 +146,10 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     restore_handlers = L.install_stop_handlers()  # SIGINT/SIGTERM/SIGHUP: stop where we are
     restore_determinism = _pin_determinism(backend)
     try:
-        return _train_in_dir(args, cfg, backend, config_yaml)
+        rc = _train_in_dir(args, cfg, backend, config_yaml)
+        if rc in (0, 1):  # finished or aborted (TrainingAborted): leave the process group cleanly. A run
+            D.shutdown_distributed()  # stopped by a signal may have peers gone mid-collective: not waited on
+        return rc
     finally:
         restore_determinism()
         restore_handlers()
@@ -224,7 +227,6 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
         say(f"done: {out} (step {trainer.state.step}, reward/mean {last['reward/mean']:.3f})")
     else:
         say(f"nothing to do: {out} is already at step {trainer.state.step}")
-    D.shutdown_distributed()
     return 0
 
 
