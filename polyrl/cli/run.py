@@ -24,8 +24,8 @@ from pathlib import Path
 # this process and its torchrun workers read it, when torch loads (docs/distributed.md, "Determinism").
 os.environ["OMP_DYNAMIC"] = "FALSE"
 # Speed, not numbers: OpenMP threads that spin while waiting (libgomp's default) lose their time slices to
-# each other when other processes share the cores; sleeping waiters measured ~30x faster per step on a
-# loaded 2-core machine and no slower on an idle one. The user's choice wins.
+# each other when other processes share the cores; sleeping waiters measured ~10-30x faster per step on
+# a loaded 2-core machine and not measurably slower at light load. The user's choice wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
