@@ -147,8 +147,15 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     restore_determinism = _pin_determinism(backend)
     try:
         rc = _train_in_dir(args, cfg, backend, config_yaml)
-        if rc in (0, 1):  # finished or aborted (TrainingAborted): leave the process group cleanly. A run
-            D.shutdown_distributed()  # stopped by a signal may have peers gone mid-collective: not waited on
+        if rc in (0, 1, 2):  # finished, aborted (TrainingAborted) or refused (every rank past the barrier):
+            D.shutdown_distributed()  # leave the process group cleanly. A stopped run may have peers gone
+        elif rc > 128 and D.is_distributed():
+            # A stopped worker: its files are closed and its lock released; exit without the interpreter's
+            # teardown, which would destroy a process group whose peers are gone (C++ threads still joinable:
+            # "terminate called without an active exception", SIGABRT).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
         return rc
     finally:
         restore_determinism()
