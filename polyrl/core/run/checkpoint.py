@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from polyrl.core import distributed as D
 from polyrl.core.distributed.launch import check_lifeline
 from polyrl.core.errors import BadInputError
+from polyrl.core.run.directory import _fsync_dir, write_atomic
 
 if TYPE_CHECKING:
     from torch import nn
@@ -272,22 +273,8 @@ def _extra_state(state: Mapping[str, Any], backend: Backend | None) -> dict[str,
     return extra
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_file_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_atomic(path, text)  # the run directory's atomic replace (fsynced file, then its directory)
 
 
 def save_checkpoint(
