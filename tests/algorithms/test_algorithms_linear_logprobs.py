@@ -137,5 +137,5 @@ def test_bad_inputs_refused_and_vocab_chunk_rule() -> None:
         linear_logprobs_and_entropy(h, w, lab[:2])
     with pytest.raises(ValueError, match="temperature"):
         linear_logprobs_and_entropy(h, w, lab, temperature=0)
-    assert vocab_chunk_for(1024, 201088, None) == 65536
+    assert vocab_chunk_for(1024, 201088, None) == 8192 and vocab_chunk_for(2**16, 201088, None) == 1024
     assert vocab_chunk_for(1024, 100, None) == 100 and vocab_chunk_for(8, 100, 7) == 7

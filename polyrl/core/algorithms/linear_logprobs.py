@@ -25,8 +25,10 @@ from collections.abc import Iterator
 
 import torch
 
-# One fp32 tile is at most this many elements when the vocabulary chunk is chosen automatically (256 MiB).
+# Automatic vocabulary chunk: VOCAB_CHUNK columns, fewer when a [chunk_size, ·] fp32 tile would pass
+# TILE_ELEMENTS (256 MiB). Backward also keeps one fp32 [vocab chunk, H] block of dW (94 MiB at H = 2880).
 TILE_ELEMENTS = 1 << 26
+VOCAB_CHUNK = 8192
 
 
 def _spans(n: int, step: int) -> Iterator[tuple[int, int]]:
@@ -35,11 +37,11 @@ def _spans(n: int, step: int) -> Iterator[tuple[int, int]]:
 
 
 def vocab_chunk_for(chunk_size: int, vocab: int, vocab_chunk_size: int | None) -> int:
-    """The vocabulary chunk: the caller's, or as many columns as keep a [chunk_size, ·] fp32 tile within
-    TILE_ELEMENTS (at least 1024; the whole vocabulary when it fits)."""
+    """The vocabulary chunk: the caller's, or VOCAB_CHUNK columns (fewer when a [chunk_size, ·] fp32 tile would
+    pass TILE_ELEMENTS, never below 1024; the whole vocabulary when it is smaller)."""
     if vocab_chunk_size is not None:
         return max(1, min(vocab_chunk_size, vocab))
-    return min(vocab, max(1024, TILE_ELEMENTS // max(1, chunk_size)))
+    return min(vocab, VOCAB_CHUNK, max(1024, TILE_ELEMENTS // max(1, chunk_size)))
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -240,7 +242,7 @@ def linear_logprobs_and_entropy(
         weight: [V, H] the lm_head weight (same dtype as hidden); bias: [V] or None.
         labels: [..., T] int64 token ids in [0, V).
         chunk_size: token rows per tile; vocab_chunk_size: vocabulary columns per tile (None: automatic,
-            one fp32 tile ≤ 256 MiB).
+            8192, fewer when one fp32 tile would pass 256 MiB).
         temperature: τ (match the sampling temperature). compute_entropy: False returns zeros for it.
     Returns:
         (logp [..., T] fp32, entropy [..., T] fp32); fp64 for fp64 inputs.
