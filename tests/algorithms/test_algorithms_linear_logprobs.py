@@ -139,3 +139,24 @@ def test_bad_inputs_refused_and_vocab_chunk_rule() -> None:
         linear_logprobs_and_entropy(h, w, lab, temperature=0)
     assert vocab_chunk_for(1024, 201088, None) == 8192 and vocab_chunk_for(2**16, 201088, None) == 1024
     assert vocab_chunk_for(1024, 100, None) == 100 and vocab_chunk_for(8, 100, 7) == 7
+
+
+def test_bench_runs_at_toy_size_on_cpu(tmp_path) -> None:
+    """bench/logprob_linear.py --quick --device cpu runs every method available here and they agree on Σ logp."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parents[2] / "bench" / "logprob_linear.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(bench), "--quick", "--device", "cpu", "--out", str(out)], check=True,
+                   env=env, capture_output=True, text=True, timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    ran = [r for r in rows if "nll" in r]
+    assert {r["method"] for r in ran} >= {"polyrl reference (chunked)", "transformers-style (full logits)"}
+    for T in {r["T"] for r in ran}:
+        nll = [r["nll"] for r in ran if r["T"] == T]
+        assert max(nll) - min(nll) <= 1e-5 * abs(nll[0]), nll
