@@ -1,4 +1,4 @@
-"""The cuda backend's fused lm_head + log-prob + entropy (Triton forward, chunked backward) on CPU tensors under
+"""The cuda backend's fused lm_head + log-prob + entropy (Triton forward and backward) on CPU tensors under
 TRITON_INTERPRET=1, against the core reference and fp64 through the full logits. fp32 checks the math exactly;
 fp16 the low-precision tile path (bf16 arithmetic is wrong in the interpreter: the gpu tests cover it). Shapes are
 tiny but cover ragged token tiles, a vocabulary not divisible by the 16-column tiles, several vocabulary slices
@@ -62,15 +62,26 @@ def test_triton_equals_reference_and_full_logits(N, H, V, dtype, with_bias, tau)
         assert g.dtype == torch.float32
         err, bar = relative_error(g, e), tolerance("algorithms.linear_logprobs", name)
         assert err <= bar, f"{what}: {err:.2e} > {bar:.2e}"
-    for g, r in zip(got[2:], ref[2:]):  # the backward is the reference's: same tiles, same gradients
+    for g, r in zip(got[2:], ref[2:]):  # Triton backward vs the reference backward
         assert g.dtype == dtype
         err, bar = relative_error(g.float(), r.float()), tolerance("algorithms.linear_logprobs_grad", name)
         assert err <= bar, f"grad: {err:.2e} > {bar:.2e}"
 
 
-def test_triton_logprobs_only() -> None:
-    hidden, weight, _, labels, w_lp, _ = _inputs(20, 16, 45, torch.float32, False, seed=3)
-    lp, ent = _kernel()(hidden, weight, labels, compute_entropy=False)
-    lp_ref, _ = linear_logprobs_and_entropy(hidden, weight, labels)
-    assert relative_error(lp, lp_ref) <= tolerance("algorithms.linear_logprobs", "float32")
-    assert torch.all(ent == 0)
+def test_triton_single_outputs() -> None:
+    """Only the log-probs (compute_entropy=False), and only the entropy, carry a gradient: the kernel's
+    HAS_GLP / HAS_GENT paths give the reference's gradients."""
+    hidden, weight, _, labels, w_lp, w_ent = _inputs(20, 16, 45, torch.float32, False, seed=3)
+    bar = tolerance("algorithms.linear_logprobs_grad", "float32")
+    for use_lp, use_ent in ((True, False), (False, True)):
+        grads = []
+        for fn in (_kernel(), linear_logprobs_and_entropy):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            lp, ent = fn(h, w, labels, compute_entropy=use_ent, vocab_chunk_size=16)
+            ((lp * w_lp).sum() if use_lp else (ent * w_ent).sum()).backward()  # the other output unused: None
+            grads.append((h.grad, w.grad, lp.detach(), ent.detach()))
+        (gh, gw, lp, ent), (rh, rw, lp_ref, ent_ref) = grads
+        assert relative_error(gh, rh) <= bar and relative_error(gw, rw) <= bar
+        assert relative_error(lp, lp_ref) <= tolerance("algorithms.linear_logprobs", "float32")
+        if not use_ent:
+            assert torch.all(ent == 0)
