@@ -4,7 +4,8 @@ logits paths and the fused-linear-cross-entropy peers, in one run.
 Every method starts from the same last hidden states [T, H] and lm_head weight [V, H] (bf16, both requiring
 grad) and ends with their gradients:
 - ``polyrl fused (triton)``: the cuda backend's ``triton_linear_logprobs`` (Triton forward with the matmul fused
-  into the softmax statistics; chunked torch backward with recomputation): log-probs and entropy;
+  into the softmax statistics; Triton backward recomputing each vocabulary chunk's logit gradient, dW and dH by
+  cuBLAS): log-probs and entropy;
 - ``polyrl reference (chunked)``: ``A.linear_logprobs_and_entropy`` (token x vocab tiles, torch matmuls): same;
 - ``polyrl logits + chunked``: logits = h @ W^T (bf16 [T, V]), then ``A.logprobs_and_entropy`` (the trainer's
   path before the fused op): same;

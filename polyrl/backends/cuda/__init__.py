@@ -25,7 +25,8 @@ class CudaBackend(Backend):
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
     is_accelerator = True
     attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
-    # Triton forward (matmul fused into the softmax statistics); backward: the core's chunked recompute.
+    # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
+    # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
     linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)
