@@ -80,7 +80,7 @@ def test_triton_single_outputs() -> None:
             lp, ent = fn(h, w, labels, compute_entropy=use_ent, vocab_chunk_size=16)
             ((lp * w_lp).sum() if use_lp else (ent * w_ent).sum()).backward()  # the other output unused: None
             grads.append((h.grad, w.grad, lp.detach(), ent.detach()))
-        (gh, gw, lp, ent), (rh, rw, lp_ref, ent_ref) = grads
+        (gh, gw, lp, ent), (rh, rw, lp_ref, _) = grads
         assert relative_error(gh, rh) <= bar and relative_error(gw, rw) <= bar
         assert relative_error(lp, lp_ref) <= tolerance("algorithms.linear_logprobs", "float32")
         if not use_ent:

@@ -67,7 +67,7 @@ def test_setting_auto_true_false(model) -> None:
     try:
         assert "final_logit_softcapping=30.0" in fused_head_problem(model)
         assert fused_kernel_for("auto", model, backend) is None  # auto falls back to the logits path
-        with pytest.raises(BadInputError, match="model.fused_logprobs=true: its config sets final_logit_softcapping"):
+        with pytest.raises(BadInputError, match=r"model\.fused_logprobs=true: its config sets final_logit_softcapping"):
             fused_kernel_for(True, model, backend)
     finally:
         model.config.final_logit_softcapping = None

@@ -172,4 +172,6 @@ def triton_linear_logprobs(
     logp, ent = _TritonLinearLogprobEntropy.apply(
         h, weight, bias, labels.reshape(-1).long().contiguous(), chunk_size, vocab_chunk_size, float(temperature),
         compute_entropy)
+    if logp.shape == shape:  # no view: a sharded model's hooks warn on view outputs
+        return logp, ent
     return logp.reshape(shape), ent.reshape(shape)

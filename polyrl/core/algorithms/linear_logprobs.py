@@ -177,7 +177,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):  # type: ignore[override]
-        return backward_from_ctx(ctx, g_lp, g_ent) + (None, None, None, None, None)
+        return (*backward_from_ctx(ctx, g_lp, g_ent), None, None, None, None, None)
 
 
 def _finish_forward(ctx, hidden, weight, bias, labels, logp, ent, lse, chunk_size, vocab_chunk_size, temperature,
@@ -252,4 +252,6 @@ def linear_logprobs_and_entropy(
     logp, ent = _LinearLogprobEntropy.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, labels.reshape(-1).long(), chunk_size,
         vocab_chunk_size, float(temperature), compute_entropy)
+    if logp.shape == shape:  # no view: a sharded model's hooks warn on view outputs
+        return logp, ent
     return logp.reshape(shape), ent.reshape(shape)

@@ -8,8 +8,9 @@ norm) and hands the selected rows, with the lm_head weight and bias, to the back
 (polyrl.core.algorithms.linear_logprobs for the contract).
 
 The kernel runs *inside* the model's forward (in the hook), where a sharded model's root parameters — the
-lm_head among them under FSDP2 — are gathered, and its results leave as entries of the forward's output, so
-that FSDP2 gathers those parameters again before their backward exactly as it would for the logits.
+lm_head among them under FSDP2 — are gathered, and its results leave as part of the forward's output (the
+model returns (output, (logp, entropy)) while the hooks are on), so that FSDP2 gathers those parameters again
+before their backward exactly as it would for the logits.
 Works for any transformers causal LM whose forward takes ``logits_to_keep`` and whose output embedding is a
 plain ``nn.Linear`` applied to the base model's output (GPT-OSS, DeepSeek-V3, Llama, Qwen, ...); a model that
 post-processes its logits (soft-capping, scaling) is refused by :func:`fused_head_problem`.
@@ -23,7 +24,6 @@ from typing import Any
 
 import torch
 
-_LOGP, _ENT = "polyrl_logp", "polyrl_entropy"  # keys under which the forward's output carries the results
 # Config fields that transform the logits after lm_head (Gemma's soft-capping, Cohere's logit_scale, ...).
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_softcapping", "logit_scale", "output_multiplier_scale")
 
@@ -75,22 +75,21 @@ def fused_logprobs(
     def on_model_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
         # Hand the results out *as outputs of the model's forward*: a sharded model (FSDP2) registers its
         # pre-backward hook, which gathers the root parameters (the lm_head weight) again before backward, on
-        # the tensors its forward returns. Prepended, so this runs before that post-forward hook.
-        if len(result) == 1:
-            output[_LOGP], output[_ENT] = result[0]
-        return output
+        # the tensors its forward returns (it walks tuples, and only the declared fields of a ModelOutput).
+        # Prepended, so this runs before that post-forward hook; the caller unpacks the pair.
+        return output, tuple(result[0]) if len(result) == 1 else ()
 
     handles = [model.base_model.register_forward_hook(on_base_output),
                model.register_forward_hook(on_model_output, prepend=True)]
     try:
         none = torch.empty(0, dtype=torch.long, device=gather.device)
-        out = model(**kwargs, use_cache=False, logits_to_keep=none)  # lm_head sees [b, 0, H]: no logits are made
+        _, fused = model(**kwargs, use_cache=False, logits_to_keep=none)  # lm_head sees [b, 0, H]: no logits
     finally:
         for handle in handles:
             handle.remove()
     if len(result) != 1:
         raise RuntimeError(f"the base model of {type(model).__name__} ran {len(result)} times in one forward")
-    return out[_LOGP], out[_ENT]
+    return fused
 
 
 def fused_kernel_for(setting: bool | str, model: torch.nn.Module, backend: Any) -> Callable[..., Any] | None:
