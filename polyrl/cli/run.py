@@ -1,4 +1,4 @@
-"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--dry-run] [key.path=value ...]``
+"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--resume-from step_N] [--dry-run] [key.path=value ...]``
 
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
@@ -36,6 +36,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun, FSDP2)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume-from", default=None, metavar="step_N",
+                   help="resume from this checkpoint of --output (step_N, N, or its path) instead of the newest; "
+                        "newer ones are set aside")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -122,7 +125,7 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
             "each process takes an equal share of the prompts"
         )
     argv = ["run", args.recipe, *args.overrides, "--output", str(out)]  # every rank writes the same directory
-    for flag, value in (("--backend", args.backend), ("--seed", args.seed)):
+    for flag, value in (("--backend", args.backend), ("--seed", args.seed), ("--resume-from", args.resume_from)):
         if value is not None:
             argv += [flag, str(value)]
     if args.no_progress:
@@ -194,13 +197,14 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
         D.barrier()
         return 2
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
-    say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
     run_dir = RunDir(out, is_main=D.is_main_process())
     wrote = False
     try:
         # Collective on every rank, unconditionally: rank 0 decides (a missing directory means a fresh run)
         # and broadcasts; a per-rank is_dir() test races with rank 0 creating the directory and deadlocks.
-        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(), backend=backend)
+        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(), backend=backend,
+                                         resume_from=args.resume_from)  # verified first; refusal = exit 2
+        say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
         wrote = True
         run_dir.open(config_yaml, resume_step=resumed)
         from polyrl.core.run.export import save_model_metadata
