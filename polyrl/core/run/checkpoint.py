@@ -399,12 +399,13 @@ def newest_verified_before(ckpt_dir: str | os.PathLike[str], step: int,
 
 
 def refusal(exc: CheckpointRefused, ckpt_dir: str | os.PathLike[str], step: int, how: str,
-            sd: Mapping[str, Any] | None = None) -> BadInputError:
+            sd: Mapping[str, Any] | None = None, none_how: str = "") -> BadInputError:
     """The one-line refusal: the bad file, what is wrong, and the newest earlier checkpoint that verifies
-    with ``how`` (a format string of ``{name}`` and ``{path}``) saying how to use it; collective."""
+    (and fits ``sd``), with ``how`` (a format string of ``{name}`` and ``{path}``) saying how to use it, or
+    ``none_how`` when there is none; collective."""
     earlier = newest_verified_before(ckpt_dir, step, sd)
     if earlier is None:
-        tail = "no earlier checkpoint verifies"
+        tail = "no earlier checkpoint verifies" + (" and fits this run" if sd is not None else "") + none_how
     else:
         tail = f"the newest earlier checkpoint that verifies is {earlier.name}: " + how.format(
             name=earlier.name, path=earlier)
@@ -412,6 +413,7 @@ def refusal(exc: CheckpointRefused, ckpt_dir: str | os.PathLike[str], step: int,
 
 
 RESUME_HOW = "to resume from it, run the same command with --resume-from {name}"
+RESUME_NONE = ": to start over, run with another --output"
 
 
 # --- load ---------------------------------------------------------------------------------------------
@@ -520,7 +522,8 @@ def load_latest_checkpoint(
     try:
         step = load_checkpoint(found, state, backend=backend)
     except CheckpointRefused as exc:
-        raise refusal(exc, ckpt_dir, int(Path(found).name.split("_")[1]), RESUME_HOW, _dcp_state(state)) from None
+        raise refusal(exc, ckpt_dir, int(Path(found).name.split("_")[1]), RESUME_HOW, _dcp_state(state),
+                      RESUME_NONE) from None
     log.info("resumed from %s (step %d)", found, step)
     if resume_from and D.get_rank() == 0:
         for moved in set_aside_newer(ckpt_dir, step):
