@@ -119,6 +119,9 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
     check_config(cfg)
     build_task(cfg)
     check_sharding(backend, args.nproc, cfg.sharding)
+    from polyrl.core.run.checkpoint import check_resume
+
+    check_resume(out / "checkpoints", args.resume_from)  # a refused checkpoint: one line, before any worker
     if cfg.data.batch_size % args.nproc:
         raise BadInputError(
             f"data.batch_size ({cfg.data.batch_size}) must be a multiple of --nproc ({args.nproc}): "
@@ -168,6 +171,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
 def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
+    from polyrl.core.errors import BadInputError
     from polyrl.core.run.checkpoint import latest_checkpoint, load_latest_checkpoint
     from polyrl.core.run.directory import RunDir, RunDirLocked, RunLock, check_unlocked, default_run_dir
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
@@ -220,6 +224,11 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     except TrainingAborted as exc:
         say(f"error: {exc}")
         return 1
+    except BadInputError as exc:  # e.g. a refused checkpoint: the same on every rank (verification is collective)
+        if not D.is_distributed():
+            raise
+        say(f"error: {exc}")  # once, from rank 0
+        return 2
     except BaseException as exc:
         signum = L.stop_signal()
         if signum is None and not isinstance(exc, KeyboardInterrupt):

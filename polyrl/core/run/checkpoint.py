@@ -75,6 +75,8 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 # Never set them in real runs.
 TEST_DELAY_ENV = "POLYRL_TEST_CHECKPOINT_DELAY_S"
 TEST_DELAY_STEP_ENV = "POLYRL_TEST_CHECKPOINT_DELAY_STEP"  # test-only: delay only the save of this step
+# Set by the `--nproc` launcher for its workers: "<step dir>:<marker digest>" of the checkpoint it verified.
+VERIFIED_ENV = "POLYRL_CHECKPOINT_VERIFIED"
 
 # Which state entries pair into one DCP (module, optimizer) group; the key names are the trainer's.
 _MODULE_GROUPS = (("model", "optimizer"), ("critic", "critic_optimizer"))
@@ -368,7 +370,7 @@ def verify_checkpoint(path: str | os.PathLike[str], sd: Mapping[str, Any] | None
 
     def files() -> dict[str, Any]:
         marker = read_marker(path)
-        verify_files(path, marker, share=(rank, world))
+        verify_files(path, marker, share=(rank, world), digests=not _verified_by_launcher(path, marker))
         if rank == 0:
             verify_structure(path, marker)
         return marker
@@ -383,6 +385,26 @@ def verify_checkpoint(path: str | os.PathLike[str], sd: Mapping[str, Any] | None
     if sd is not None:
         agree(fits)
     return marker
+
+
+def _verified_by_launcher(path: Path, marker: Mapping[str, Any]) -> bool:
+    """The ``--nproc`` launcher hashed this very checkpoint (same directory, same marker) just before it
+    started the workers (``check_resume``): the workers then skip the digests, not the other checks."""
+    return bool(marker.get("self")) and os.environ.get(VERIFIED_ENV) == f"{path.resolve()}:{marker['self']}"
+
+
+def check_resume(ckpt_dir: str | os.PathLike[str], resume_from: str | None = None) -> None:
+    """What a resume would load, verified in one process without the model (the ``--nproc`` launcher,
+    before it starts workers, so that a refusal is one line from one process). The model's fit is
+    checked by the workers."""
+    found = resolve_resume_from(ckpt_dir, resume_from) if resume_from else latest_checkpoint(ckpt_dir)
+    if found is None:
+        return
+    try:
+        marker = verify_checkpoint(found)
+    except CheckpointRefused as exc:
+        raise refusal(exc, ckpt_dir, int(found.name.split("_")[1]), RESUME_HOW, None, RESUME_NONE) from None
+    os.environ[VERIFIED_ENV] = f"{found.resolve()}:{marker.get('self', '')}"
 
 
 def newest_verified_before(ckpt_dir: str | os.PathLike[str], step: int,
