@@ -148,8 +148,8 @@ def test_legacy_checkpoints_load_and_get_the_checks_that_remain(tmp_path: Path) 
     shard = tmp_path / "step_00000002" / "__0_0.distcp"
     full = shard.stat().st_size
     os.truncate(shard, 1000)  # found from DCP's own index of byte ranges
-    with pytest.raises(BadInputError, match=rf"__0_0\.distcp: truncated: 1000 bytes on disk, the checkpoint's "
-                                            rf"index needs \d+; .*--resume-from step_00000001"):
+    with pytest.raises(BadInputError, match=r"__0_0\.distcp: truncated: 1000 bytes on disk, the checkpoint's "
+                                            r"index needs \d+; .*--resume-from step_00000001"):
         C.load_latest_checkpoint(tmp_path, _state())
     assert full > 1000
     (tmp_path / "step_00000001" / "extra" / "rank_0.pt").unlink()

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import os
 import random
