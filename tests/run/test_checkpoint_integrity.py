@@ -121,6 +121,10 @@ def test_what_is_wrong_is_said(tmp_path: Path) -> None:
     marker.write_text(marker.read_text().replace('"world_size": 1', '"world_size": 2'))
     with pytest.raises(BadInputError, match=r"COMPLETE: corrupt \(its own checksum"):
         C.load_latest_checkpoint(tmp_path / "c", _state())
+    _saved(tmp_path / "d", (1,))
+    (tmp_path / "d" / "step_00000001").rename(tmp_path / "d" / "step_00000003")  # copied under another name
+    with pytest.raises(BadInputError, match=r"step_00000003/COMPLETE: records step 1, not this directory's step 3"):
+        C.load_latest_checkpoint(tmp_path / "d", _state())
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_loading(tmp_path: Path) -> None:

@@ -369,6 +369,10 @@ def verify_checkpoint(path: str | os.PathLike[str], sd: Mapping[str, Any] | None
 
     def files() -> dict[str, Any]:
         marker = read_marker(path)
+        named = _STEP_RE.match(path.name)
+        if named and int(named.group(1)) != marker["step"]:  # a directory copied or renamed from elsewhere
+            raise CheckpointRefused(path / COMPLETE_MARKER, f"records step {marker['step']}, not this directory's "
+                                                            f"step {int(named.group(1))}")
         verify_files(path, marker, share=(rank, world), digests=not _verified_by_launcher(path, marker))
         if rank == 0:
             verify_structure(path, marker)
