@@ -9,6 +9,7 @@ Layout under a run's ``checkpoints/`` directory::
                                file's size and sha256 (polyrl.core.run.integrity)
     step_00000020.tmp/         being written (or left by a killed run): never loaded, deleted on next save
     latest                     text file naming the newest complete checkpoint; replaced last
+    superseded-<time>/         checkpoints newer than one resumed from with ``--resume-from`` (kept, never loaded)
 
 Why this shape: DCP stores each rank's shards plus global metadata, so a checkpoint written by N
 processes loads into M (it reshards on load), and with or without FSDP. Publication is a protocol, not
