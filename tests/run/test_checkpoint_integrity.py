@@ -190,3 +190,25 @@ def test_resume_from_what_is_not_there_is_bad_input(tmp_path: Path) -> None:
         C.load_latest_checkpoint(tmp_path, _state(), resume_from="step_5")
     with pytest.raises(BadInputError, match="not a checkpoint of this run"):
         C.resolve_resume_from(tmp_path, str(tmp_path.parent / "elsewhere" / "step_00000001"))
+
+
+def test_launcher_check_refuses_in_one_line_and_spares_the_workers_the_digests(tmp_path: Path, monkeypatch) -> None:
+    """``polyrl run --nproc N`` verifies in the launcher (``check_resume``) before any worker starts; the
+    workers then skip the digests of that same checkpoint, never the other checks."""
+    monkeypatch.delenv(C.VERIFIED_ENV, raising=False)
+    _saved(tmp_path, (1, 2))
+    _flip(tmp_path / "step_00000002" / "__0_0.distcp", 10)
+    with pytest.raises(BadInputError, match=r"step_00000002/__0_0\.distcp: checksum mismatch.*--resume-from "
+                                            r"step_00000001"):
+        C.check_resume(tmp_path)
+    assert C.VERIFIED_ENV not in os.environ
+    C.check_resume(tmp_path, "step_1")
+    hashed: list[Path] = []
+    monkeypatch.setattr(I, "_check_digest", lambda path, record, algorithm: hashed.append(path))
+    C.verify_checkpoint(tmp_path / "step_00000001")
+    assert hashed == []  # verified by the launcher: same directory, same marker
+    C.verify_checkpoint(tmp_path / "step_00000002")
+    assert len(hashed) == 3  # another checkpoint: hashed
+    os.truncate(tmp_path / "step_00000001" / "__0_0.distcp", 100)
+    with pytest.raises(BadInputError, match="truncated"):  # sizes are still checked
+        C.verify_checkpoint(tmp_path / "step_00000001")
