@@ -476,7 +476,7 @@ def paths(rows: list[dict], peer: str = "fa4") -> dict:
 
 def path_lines(rows: list[dict], peer: str = "fa4") -> list[str]:
     """polyrl's kernel paths per case: ms, ratios to the default path and to ``peer`` from the same run."""
-    lines = [f"\npolyrl kernel paths, same run; ratio = path / reference (below 1: the path is faster)",
+    lines = ["\npolyrl kernel paths, same run; ratio = path / reference (below 1: the path is faster)",
              f"{'case':16} {'path':14} {'fwd/f+b ms':>15} {'/' + OURS + ' fwd f+b':>16} {'/' + peer + ' fwd f+b':>13} "
              f"{'peak GiB':>8}  err out / grad-max"]
     f2 = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731

@@ -203,7 +203,7 @@ def test_kernel_options_from_env_and_refusal(monkeypatch):
     assert (opts.bwd, opts.window_tiles, opts.configs) == ("atomic", "band", "first")
     assert opts.band(128) and opts.band(256) and not opts.band(257) and not opts.band(None)
     monkeypatch.setenv("POLYRL_ATTN_BWD", "fast")
-    with pytest.raises(BadInputError, match="POLYRL_ATTN_BWD.*'fast'.*two_pass, atomic"):
+    with pytest.raises(BadInputError, match=r"POLYRL_ATTN_BWD.*'fast'.*two_pass, atomic"):
         KernelOptions.from_env()
     # the env is read per call: a bad value set after import is refused at the next call, before any kernel
     q, k, v, _, cu, _ = make_case([8], 2, 1, 16, 16, torch.float32, False, seed=0)
