@@ -21,7 +21,8 @@ can be set per call with ``options=`` or per process with an environment variabl
   edge / interior / diagonal; ``band`` = for windows up to ``BAND_MAX_WINDOW``, one masked loop over the exact
   band (kernels/bounds.py).
 - ``configs`` (``POLYRL_ATTN_CONFIGS``): ``first`` = each kernel's first Hopper candidate; ``table`` = the
-  per-head-dim table of kernels/configs.py. ``POLYRL_TRITON_AUTOTUNE=1`` searches whichever list is active.
+  per-head-dim table of kernels/configs.py, and q tiles launched heaviest first (forward, dQ).
+  ``POLYRL_TRITON_AUTOTUNE=1`` searches whichever list is active.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class KernelOptions:
 
     def band(self, window: int | None) -> bool:
         return self.window_tiles == "band" and window is not None and window <= BAND_MAX_WINDOW
+
+    @property
+    def heavy_first(self) -> bool:
+        """The table path also launches q tiles last-first (forward, dQ): causal tiles near a document's end
+        see the most keys, and starting them first leaves light tiles, not heavy ones, for the last wave."""
+        return self.configs == "table"
 
 
 # Autotuners over the table's candidates, built on first use (only under POLYRL_TRITON_AUTOTUNE=1).
@@ -156,7 +163,7 @@ class _VarlenAttention(torch.autograd.Function):
                 Hq), dict(D=D, DV=Dv, G_P=G_P,
                           BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
                           HAS_WINDOW=window is not None, HAS_SINK=has_sink, DOT_PREC=_dot_precision(q.dtype),
-                          BAND=options.band(window)), options)
+                          BAND=options.band(window), HEAVY_FIRST=options.heavy_first), options)
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, sinks if has_sink else None)
         ctx.scale, ctx.window, ctx.has_sink, ctx.options = scale, window, has_sink, options
         return o
@@ -216,7 +223,7 @@ class _VarlenAttention(torch.autograd.Function):
                     T, W, G, ctx.scale * LOG2E, ctx.scale,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dq.stride(0), dq.stride(1),
-                    Hq), meta, options)
+                    Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options)
                 _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, (
                     q, k, v, do, lse, delta, dk, dv, doc_start, doc_end,
                     T, W, G, ctx.scale * LOG2E, ctx.scale,

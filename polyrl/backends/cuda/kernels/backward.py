@@ -72,10 +72,12 @@ def attn_bwd_dq_kernel(
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
     pid_t = tl.program_id(0)
+    if HEAVY_FIRST:  # causal: the last q tiles see the most keys; start them first, end on light ones
+        pid_t = tl.num_programs(0) - 1 - pid_t
     kvh = tl.program_id(1)
     a = pid_t * BLOCK_T
     offs_r = tl.arange(0, BLOCK_M)
