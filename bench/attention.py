@@ -144,9 +144,9 @@ def impl_sdpa(q, k, v, sinks, cu, lengths, window):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if window is not None:
-        raise RuntimeError("SDPA has no sliding window")
+        raise NotApplicable("SDPA has no sliding window")
     if len(set(lengths)) != 1:
-        raise RuntimeError("batched SDPA needs equal document lengths")
+        raise NotApplicable("batched SDPA needs equal document lengths")
     b, n = len(lengths), lengths[0]
     qb = q.view(b, n, HQ, D).transpose(1, 2)
     kb = k.repeat_interleave(HQ // HKV, 1).view(b, n, HQ, D).transpose(1, 2).detach().requires_grad_()
