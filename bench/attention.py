@@ -19,7 +19,7 @@ KernelOptions): ``polyrl`` (default: two-pass deterministic backward, aligned ti
 ``polyrl-atomic`` (fused dK/dV + atomic dQ backward), ``polyrl-band`` (exact band tiles for the window; not run
 on causal cases, where it changes nothing), ``polyrl-table`` (per-head-dim config table), ``polyrl-new`` (all
 three). --variants: every polyrl path beside FA4, FLA, cuDNN SDPA and flex on all four cases, short timing,
-a wall-clock budget (--max-wall-s, default 210 s: peers other than FA4 not started by then are reported as
+a wall-clock budget (--max-wall-s, default 190 s: peers other than FA4 not started by then are reported as
 skipped), written to bench/results/attention_variants.json. --profile: instead of timing, one
 torch.profiler pass over a few fwd+bwd calls of each implementation on the first layout/window, printing the
 CUDA kernels' time per call (which kernel the time goes to).
@@ -64,7 +64,7 @@ POLYRL_PATHS = {"": {}, "atomic": {"bwd": "atomic"}, "band": {"window_tiles": "b
                 "new": {"bwd": "atomic", "window_tiles": "band", "configs": "table"}}
 VARIANTS = {"layouts": "4x4096,1x16384", "windows": "none,128",
             "impls": "polyrl,polyrl-atomic,polyrl-band,polyrl-table,polyrl-new,fa4,sdpa-nosink,fla,flex",
-            "warmup_ms": 5, "rep_ms": 25, "out": "bench/results/attention_variants.json", "max_wall_s": 210}
+            "warmup_ms": 5, "rep_ms": 25, "out": "bench/results/attention_variants.json", "max_wall_s": 190}
 TIMING = {"warmup_ms": FULL["warmup_ms"], "rep_ms": FULL["rep_ms"]}
 
 
@@ -553,7 +553,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--variants", action="store_true",
                     help="every polyrl kernel path beside fa4, fla, sdpa, flex on all four cases, < 4 min")
     ap.add_argument("--max-wall-s", type=float,
-                    help="peers (not polyrl's paths nor fa4) not started by then are skipped (--variants: 210)")
+                    help="peers (not polyrl's paths nor fa4) not started by then are skipped (--variants: 190)")
     ap.add_argument("--profile", action="store_true",
                     help="profile fwd+bwd of each impl on the first layout and window instead of timing")
     ap.add_argument("--layouts")
