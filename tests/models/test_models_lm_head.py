@@ -58,8 +58,12 @@ def test_fused_path_never_makes_logits(model, monkeypatch) -> None:
     assert len(shapes) == 1 and shapes[0][1] == 0, shapes
 
 
-def test_setting_auto_true_false(model) -> None:
+def test_setting_auto_true_false(model, monkeypatch) -> None:
+    from polyrl.core.models import lm_head
+
     backend = CpuBackend()
+    assert fused_kernel_for("auto", model, backend) is None  # 17 tokens: the logits are small, no fused kernel
+    monkeypatch.setattr(lm_head, "AUTO_MIN_VOCAB", 17)
     assert fused_kernel_for("auto", model, backend) is not None
     assert fused_kernel_for(True, model, backend) is not None
     assert fused_kernel_for(False, model, backend) is None

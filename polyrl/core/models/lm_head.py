@@ -92,10 +92,27 @@ def fused_logprobs(
     return fused
 
 
+# "auto" fuses from this vocabulary size up: below it the [T, V] logits are small (a few MB at the tiny
+# recipes' 17 tokens), the logits path is as fast, and a fused kernel's first compile (tens of seconds for
+# Triton's forward and backward) would dominate a short run's start-up.
+AUTO_MIN_VOCAB = 32768
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is not None:
+        return int(weight.shape[0])
+    return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+
+
 def fused_kernel_for(setting: bool | str, model: torch.nn.Module, backend: Any) -> Callable[..., Any] | None:
     """The ``linear_logprobs`` kernel to use for ``model`` under ``model.fused_logprobs`` = ``setting``, or None
-    (the logits path). "auto": fused where the model allows it; true: fused, or a BadInputError naming why not."""
+    (the logits path). "auto": fused where the model allows it and its vocabulary is large enough for the
+    logits to matter (``AUTO_MIN_VOCAB``); true: fused, or a BadInputError naming why not."""
     if setting is False or setting == "false":
+        return None
+    if setting == "auto" and _vocab_size(model) < AUTO_MIN_VOCAB:
         return None
     problem = fused_head_problem(model)
     if problem:
