@@ -30,9 +30,9 @@ COMPARED = ("reward/mean", "response/length_mean", "loss/policy", "loss/total", 
             "advantages/abs_mean")
 
 
-def run_cmd(out: Path, total: int = TOTAL, nproc: int = 1) -> list[str]:
+def run_cmd(out: Path, total: int = TOTAL, nproc: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
     return [sys.executable, "-m", "polyrl", "run", "gpt_oss_dapo_tiny.yaml", "--output", str(out), "--no-progress",
-            "--nproc", str(nproc), f"trainer.total_steps={total}", *SMALL]  # fmt: skip
+            "--nproc", str(nproc), f"trainer.total_steps={total}", *SMALL, *extra]  # fmt: skip
 
 
 def without_time(metrics: list[dict]) -> list[dict]:
@@ -60,9 +60,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_proc(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """3 steps on 2 processes (checkpoints at 2 and at the end, 3)."""
+    """3 steps on 2 processes (checkpoints at 2 and at the end, 3), through the fused lm_head log-prob path
+    (FSDP2 must regather the sharded lm_head weight for its backward): the reference takes the logits path."""
     out = tmp_path_factory.mktemp("two")
-    run_to_end(run_cmd(out, total=3, nproc=2))
+    run_to_end(run_cmd(out, total=3, nproc=2, extra=("model.fused_logprobs=true",)))
     return out
 
 
