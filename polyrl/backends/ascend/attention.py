@@ -194,12 +194,14 @@ def _seq_ends(cu_seqlens: torch.Tensor) -> list[int]:
     return ends
 
 
-def split_calls(ends: list[int], max_seqs: int = MAX_SEQS_PER_CALL, max_tokens: int = MAX_TOKENS_PER_CALL
+def split_calls(ends: list[int], max_seqs: int | None = None, max_tokens: int | None = None
                 ) -> list[tuple[int, int, list[int]]]:
     """Cut the packed documents into runs the op accepts: at most ``max_seqs`` sequences and ``max_tokens``
     tokens per call. Returns (token start, token end, ends relative to the start) per call; one call when the
     batch fits (the usual case). A single document longer than ``max_tokens`` cannot be cut (its keys are one
     softmax): ValueError."""
+    max_seqs = MAX_SEQS_PER_CALL if max_seqs is None else max_seqs
+    max_tokens = MAX_TOKENS_PER_CALL if max_tokens is None else max_tokens
     calls: list[tuple[int, int, list[int]]] = []
     start, run = 0, []
     for end in ends:
