@@ -16,11 +16,17 @@ something). What it emulates:
   ``triu(ones(2048, 2048), 1)`` bool mask and refuse any other shape, as the real op does (the emulator is
   stricter than the op: it also refuses a 2048x2048 mask with other contents);
 - ``softmax_max`` / ``softmax_sum``: fp32 [T, N, 8] (each value repeated 8 times), by default ordered per
-  sequence as consecutive [N, s_b, 8] blocks, in token order only with ``softmax_layout="TND"``;
+  sequence as consecutive [N, s_b, 8] blocks — written from the kernel's offset formula (see
+  :func:`_kernel_row`), not from polyrl's backend — and in token order only with ``softmax_layout="TND"``;
   ``LSE = max + log(sum)``; the sink (when given) is part of both;
-- ``sink=``: fp32 [head_num], unscaled, with its own gradient — accepted only when the emulated release
-  supports it (``install_emulator(version="2.8.0", supports_sink=False)`` emulates an old torch_npu whose
-  functions do not know the keyword at all);
+- the release's signature (:func:`release_of`: ``softmax_layout`` from TorchNPU 7.2.0, ``sink`` from 7.3.0; an
+  unknown keyword is a TypeError), the grad op's 4 outputs before 7.3.0 and 5 after, and op-plugin's checks
+  before launch with its wording: ``sink=`` needs CANN 8.5.0 ("The param sink is not supported in this CANN
+  version, ..."), ``softmax_layout="TND"`` without sink CANN 8.3.RC1;
+- ``sink=``: fp32 [head_num], unscaled, with its own gradient; on an emulated Ascend 950
+  (``soc_version="Ascend950..."``) the forward drops it and the backward uses it, as op-plugin does there;
+- the documented limits: at most 1024 sequences per call, T <= 1M, D <= 768, Nq <= 256, Nq % Nkv == 0,
+  Dq == Dk >= Dv, and float32 inputs only from CANN 8.2.RC1;
 - autograd like the real op: gradients flow to query/key/value/sink through ``npu_fusion_attention_grad``,
   and gradients arriving at softmax_max / softmax_sum are ignored (the outputs are non-differentiable);
 - ``npu_fusion_attention_grad`` recomputes the probabilities from the GIVEN softmax_max / softmax_sum and

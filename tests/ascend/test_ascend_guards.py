@@ -98,8 +98,8 @@ def test_shapes_no_reroute_can_fix_are_refused_with_the_limit():
 
 
 def test_float32_on_an_old_cann_is_refused_with_what_to_change():
-    inputs, cu, s, _ = _case([2, 2])
-    with install_emulator("2.6.0", cann_version="8.1.RC1"), pytest.raises(ValueError, match="model.dtype"):
+    inputs, cu, _, _ = _case([2, 2])
+    with install_emulator("2.6.0", cann_version="8.1.RC1"), pytest.raises(ValueError, match=r"model\.dtype"):
         varlen_attention(*inputs, cu, backend=emulated_ascend_backend())
 
 
@@ -115,7 +115,7 @@ def test_lse_route_uses_token_order_statistics_where_the_release_has_them(monkey
 
 
 def test_sequence_ends_are_read_from_cu_seqlens_once_per_micro_batch(monkeypatch):
-    inputs, cu, s, d_out = _case([2, 3])
+    inputs, cu, s, _ = _case([2, 3])
     reads = []
     original = torch.Tensor.tolist
 

@@ -62,9 +62,9 @@ def test_sink_on_an_older_cann_raises_op_plugins_message():
 def test_softmax_layout_exists_from_7_2_0_and_needs_cann_8_3():
     with pytest.raises(TypeError, match="softmax_layout"):
         call(NpuEmulator("2.6.0"), softmax_layout="TND")
-    with pytest.raises(RuntimeError, match="^The param softmax_layout is not supported$"):
+    with pytest.raises(RuntimeError, match=r"^The param softmax_layout is not supported$"):
         call(NpuEmulator("2.8.0", cann_version="8.2.RC1"), softmax_layout="TND")
-    with pytest.raises(RuntimeError, match="^only supported softmax_layout=TND$"):
+    with pytest.raises(RuntimeError, match=r"^only supported softmax_layout=TND$"):
         call(NpuEmulator("2.8.0", cann_version="8.3.RC1"), softmax_layout="BSND")
     call(NpuEmulator("2.8.0", cann_version="8.3.RC1"), softmax_layout="TND")
 
@@ -75,7 +75,7 @@ def test_grad_returns_four_tensors_before_7_3_0_and_five_after():
 
 
 def test_float32_inputs_need_cann_8_2():
-    with pytest.raises(RuntimeError, match="dtype torch.float32 is not supported"):
+    with pytest.raises(RuntimeError, match=r"dtype torch\.float32 is not supported"):
         call(NpuEmulator("2.6.0", cann_version="8.1.RC1"), dtype=torch.float32)
     call(NpuEmulator("2.6.0", cann_version="8.1.RC1"), dtype=torch.float16)
     call(NpuEmulator("2.6.0", cann_version="8.2.RC1"), dtype=torch.float32)
