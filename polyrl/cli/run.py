@@ -1,4 +1,4 @@
-"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--dry-run] [key.path=value ...]``
+"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--dry-run] [--emulate] [key.path=value ...]``
 
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
