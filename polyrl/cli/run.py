@@ -29,6 +29,9 @@ os.environ["OMP_DYNAMIC"] = "FALSE"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop; rank 0 says how to resume itself
+
+
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="backend name (default: the selection rule)")
     p.add_argument("--output", default=None, help="run directory (default: runs/<recipe>-<time>); reused = resume")
@@ -141,6 +144,12 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
         code = launch_torchrun(argv, args.nproc)
     finally:
         lock.release(undo=code == 2)  # bad input seen by a worker: nothing was written, leave no trace
+    if code not in (0, 2) and code - 128 not in STOP_SIGNUMS:  # a worker failed (rank 0 may be the one gone)
+        from polyrl.core.run.checkpoint import latest_checkpoint
+
+        found = latest_checkpoint(out / "checkpoints")
+        resume = f"resumes from {found.name}" if found else "starts over (no complete checkpoint yet)"
+        print(f"polyrl run: the same command {resume}", file=sys.stderr)
     return code
 
 
@@ -156,6 +165,8 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     try:
         rc = _train_in_dir(args, cfg, backend, config_yaml)
         if rc in (0, 1, 2):  # finished, aborted (TrainingAborted) or refused (every rank past the barrier):
+            D.barrier()  # every rank's work is done: a peer that leaves from here on is no failure
+            L.unwatch_peers()
             D.shutdown_distributed()  # leave the process group cleanly. A stopped run may have peers gone
         elif rc > 128 and D.is_distributed():
             # A stopped worker: its files are closed and its lock released; exit without the interpreter's
@@ -181,6 +192,12 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     if args.output and not worker:
         check_unlocked(args.output)  # a live run there: refuse before building anything
     D.init_distributed(backend)
+    if D.is_distributed():  # a peer worker of this host that ends mid-run ends this one at once
+        import socket
+
+        host = socket.gethostname()
+        peers = D.all_gather_object((host, os.getpid()))
+        L.watch_peers(D.get_rank(), {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != D.get_rank()})
     D.setup_rank_logging()  # "[rank R]" on polyrl log lines; below WARNING only rank 0 speaks
     trainer = Trainer(cfg, backend)  # last place bad input can surface: nothing written yet
     out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
@@ -227,6 +244,7 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     except BaseException as exc:
         signum = L.stop_signal()
         if signum is None and not isinstance(exc, KeyboardInterrupt):
+            _exit_if_a_peer_is_gone()  # a collective broken by a dead peer: one line, not its traceback
             raise
         # Stopped by a signal (or, on another rank, by a collective broken by a stopping peer). A checkpoint
         # being written was abandoned: only complete ones are ever loaded.
@@ -243,6 +261,26 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     else:
         say(f"nothing to do: {out} is already at step {trainer.state.step}")
     return 0
+
+
+def _exit_if_a_peer_is_gone(wait_s: float = 1.0) -> None:
+    """A collective can fail a moment before the dead peer's process is reaped: look for ``wait_s``."""
+    import time
+
+    from polyrl.core import distributed as D
+    from polyrl.core.distributed import launch as L
+
+    deadline = time.monotonic() + (wait_s if D.is_distributed() else 0.0)
+    while True:
+        gone = L.peer_gone()
+        if gone is not None:
+            print(f"polyrl run: [rank {D.get_rank()}] rank {gone[0]} (pid {gone[1]}) ended in the middle of the run; "
+                  "this rank stops too", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(L.PEER_GONE_EXIT)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _pin_determinism(backend):
