@@ -9,7 +9,8 @@ against polyrl's CPU reference (fp32), with the bars of polyrl.core.tolerances. 
 names the case, so the first user with hardware learns at once which assumption broke.
 
     python -m polyrl.backends.ascend.selfcheck            # on an NPU machine
-    python -m polyrl.backends.ascend.selfcheck --emulate  # the same cases on the CPU emulator (not an NPU)
+
+tests/ascend/test_selfcheck.py runs the same cases on the CPU emulator (which proves the check, not an NPU).
 
 A route the installed release cannot take (native on a torch_npu without ``sink=``, or on Ascend 950) is reported
 "not run" with the reason, never as passed. It is not wired into ``polyrl doctor`` yet.
@@ -116,13 +117,7 @@ def run_self_check(backend: Any = None) -> list[SelfCheckRow]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--emulate" in argv:
-        from polyrl.testing.emulation import enable_emulation
-
-        enable_emulation("ascend")
-        print("emulated torch_npu on the CPU: this checks polyrl's code paths, not an NPU", flush=True)
+def main() -> int:
     rows = run_self_check()
     for row in rows:
         print(row.line(), flush=True)
