@@ -63,11 +63,14 @@ def _summarise(recipe: str, seed: int, wall: float, rc: int, run_dir: Path, tail
     return res
 
 
-def _start(recipe: str, seed: int, out: Path, cores: str | None, backend: str | None) -> tuple[subprocess.Popen, float]:
+def _start(recipe: str, seed: int, out: Path, cores: str | None, backend: str | None,
+           emulate: bool = False) -> tuple[subprocess.Popen, float]:
     cmd = [sys.executable, "-m", "polyrl", "run", f"recipes/{recipe}.yaml", "--seed", str(seed),
            "--output", str(out), "--no-progress"]
     if backend:
         cmd += ["--backend", backend]
+    if emulate:
+        cmd.append("--emulate")
     env = dict(os.environ)
     if cores is not None:
         cmd = ["taskset", "-c", cores, *cmd]
@@ -82,6 +85,8 @@ def main() -> int:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to 2 cores (needs taskset)")
     ap.add_argument("--backend", default=None, help="e.g. cpu on a machine that also has an accelerator")
+    ap.add_argument("--emulate", action="store_true",
+                    help="pass --emulate (--backend ascend: its code on the CPU through the emulator, not an NPU)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "recipe_tiny.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
@@ -94,7 +99,7 @@ def main() -> int:
             recipe, seed = queue.pop(0)
             cores = f"{2 * slot},{2 * slot + 1}" if args.jobs > 1 else None
             run_dir = work / f"{recipe}-s{seed}"
-            running[slot] = (recipe, seed, run_dir, *_start(recipe, seed, run_dir, cores, args.backend))
+            running[slot] = (recipe, seed, run_dir, *_start(recipe, seed, run_dir, cores, args.backend, args.emulate))
         time.sleep(0.2)
         for slot, (recipe, seed, run_dir, proc, t0) in list(running.items()):
             if proc.poll() is None:
@@ -114,7 +119,8 @@ def main() -> int:
         print(f"{r['recipe']:<20} {r['seed']:>4} {r['wall_s']:>7.1f} {r['steps']:>5} {fmt(r['reward_first10']):>9} "
               f"{fmt(r['reward_last10']):>8} {fmt(r['value_loss_first10']):>11} {fmt(r['value_loss_last10']):>10}  "
               f"{'MET' if r['meets_bar'] else 'not met'} (<= {r['wall_bar_s']:.0f} s)")
-    report = {"host": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "backend": args.backend, "python": sys.version.split()[0],
+    report = {"host": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "backend": args.backend,
+              "emulate": args.emulate, "sink_route": os.environ.get("POLYRL_ASCEND_SINK"), "python": sys.version.split()[0],
               "results": results}
     try:
         import torch

@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--level", choices=LEVELS, action="append", help="level(s) to run (default: all)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="dtype to run in (default: the backend's own, its sharding policy's param_dtype)")
+    p.add_argument("--emulate", action="store_true", help="run the backend on the CPU through its emulator (ascend)")
     p.add_argument("--json", action="store_true", help="print JSON at the end instead of rows as they complete")
 
 
@@ -36,6 +37,10 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core.plugins.selection import resolve_backend
     from polyrl.testing.parity import backend_dtype, run_parity
 
+    if args.emulate:
+        from polyrl.testing.emulation import enable_emulation
+
+        enable_emulation(args.backend)
     if args.backend is not None and args.backend in list_backends():
         backend = list_backends()[args.backend]  # an unavailable backend is reported, not refused
     else:

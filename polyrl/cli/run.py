@@ -1,4 +1,4 @@
-"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--resume-from step_N] [--dry-run] [key.path=value ...]``
+"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--resume-from step_N] [--dry-run] [--emulate] [key.path=value ...]``
 
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
@@ -42,6 +42,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-from", default=None, metavar="step_N",
                    help="resume from this checkpoint of --output (step_N, N, or its path) instead of the newest; "
                         "newer ones are set aside")
+    p.add_argument("--emulate", action="store_true",
+                   help="run the backend's real code on the CPU through its emulator (ascend; not a device run)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -81,6 +83,10 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core.config import dump_config, load_config
     from polyrl.core.plugins.selection import set_active_backend
 
+    if args.emulate:
+        from polyrl.testing.emulation import enable_emulation
+
+        enable_emulation(args.backend)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"trainer.seed={args.seed}")
@@ -136,6 +142,8 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
             argv += [flag, str(value)]
     if args.no_progress:
         argv.append("--no-progress")
+    if args.emulate:
+        argv.append("--emulate")
     lock = RunLock.acquire(out)
     code = 1
     try:

@@ -88,6 +88,28 @@ def check_sharding(backend: Backend, world_size: int, options: object | None) ->
         )
     for field in ("param_dtype", "reduce_dtype"):
         torch_dtype(getattr(policy, field), what=f"backend {backend.name!r} sharding policy {field}")
+    if world_size > 1 and options.enabled:
+        missing = missing_fsdp2_methods()
+        if missing:
+            import torch
+
+            raise BadInputError(
+                f"torch {torch.__version__}: FSDP2 has no {' / '.join(missing)} (added in torch 2.8), which polyrl "
+                "needs to sum gradients over ranks with plain SUM (gloo and HCCL have no PREMUL_SUM); "
+                "run with --nproc 1 or install torch >= 2.8 (with its matching torch_npu on Ascend)"
+            )
+
+
+# Recent FSDP2 methods polyrl calls on every sharded module; older torch releases (which some torch_npu pairs still
+# use) lack them. Feature-detected, so that the refusal is a message before any process starts, not an
+# AttributeError inside the first sharded run.
+FSDP2_SUM_METHODS = ("set_gradient_divide_factor", "set_force_sum_reduction_for_comms")
+
+
+def missing_fsdp2_methods() -> list[str]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in FSDP2_SUM_METHODS if not hasattr(FSDPModule, m)]
 
 
 def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = None) -> nn.Module:
@@ -119,6 +141,8 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
         ),
         "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
     }
+    # Any dtype cast happens before this point (build_models builds in the recipe's dtype): after fully_shard the
+    # parameters are DTensors, and on NPU torch_npu's dtype cast (_npu_dtype_cast) has no DTensor rule.
     layers = decoder_layers(model)
     if not layers:
         raise BadInputError(f"cannot find the decoder layers of {type(model).__name__} to shard")
