@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--level", choices=LEVELS, action="append", help="level(s) to run (default: all)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="dtype to run in (default: the backend's own, its sharding policy's param_dtype)")
+    p.add_argument("--emulate", action="store_true", help="run the backend on the CPU through its emulator (ascend)")
     p.add_argument("--json", action="store_true", help="print JSON at the end instead of rows as they complete")
 
 
@@ -79,13 +80,17 @@ def main(args: argparse.Namespace) -> int:
 
     if args.plot_from:
         return _plot_only(args)
+    if args.emulate:
+        from polyrl.testing.emulation import enable_emulation
+
+        enable_emulation(args.backend)
     if args.backend is not None and args.backend in list_backends():
         backend = list_backends()[args.backend]  # an unavailable backend is reported, not refused
     else:
         backend = resolve_backend(args.backend)  # unknown name -> BadInputError, exit 2
     levels = tuple(args.level or LEVELS)
     dtype = args.dtype or backend_dtype(backend)
-    emulate = bool(getattr(args, "emulate", False))
+    emulate = bool(args.emulate)
     options = dict(steps=args.steps, seeds=args.seeds, emulate=emulate, jobs=args.jobs)
     if args.json:
         rows = run_parity(backend, levels, args.dtype, **options)

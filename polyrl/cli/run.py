@@ -36,6 +36,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun, FSDP2)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--emulate", action="store_true",
+                   help="run the backend's real code on the CPU through its emulator (ascend; not a device run)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,6 +77,10 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core.config import dump_config, load_config
     from polyrl.core.plugins.selection import set_active_backend
 
+    if args.emulate:
+        from polyrl.testing.emulation import enable_emulation
+
+        enable_emulation(args.backend)
     overrides = list(args.overrides)
     if args.seed is not None:
         overrides.append(f"trainer.seed={args.seed}")
@@ -127,6 +133,8 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
             argv += [flag, str(value)]
     if args.no_progress:
         argv.append("--no-progress")
+    if args.emulate:
+        argv.append("--emulate")
     lock = RunLock.acquire(out)
     code = 1
     try:

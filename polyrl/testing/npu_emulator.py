@@ -100,34 +100,51 @@ def _keep(sq: int, skv: int, atten_mask, sparse_mode: int, pre: int, nxt: int, d
 
 
 # --- layout of softmax_max / softmax_sum -----------------------------------------------------------
-def _stat_rows(cum_q: list[int], n: int, device) -> torch.Tensor:
-    """[T, N] long: the row (of T*N rows of 8) that holds token t, head h in the default per-sequence layout."""
-    rows = []
-    start = 0
+# Written from the kernel, not from polyrl's backend: hicann ops-transformer,
+# attention/flash_attention_score/op_kernel/flash_attention_score_s1s2_bn2gs1.h, TND layout, writes the row
+# statistics of (sequence b, KV head n2, group member g, query s1) at
+#     softmaxMaxOffset = (s1SizeAcc * n2G + n2oIdx * gSize * s1Size + goIdx * s1Size + s1oIdx * s1BaseSize + i) * 8
+# floats, where s1SizeAcc = the query tokens before sequence b, n2G = N (query heads), s1Size = s_b. The query head
+# of (n2, g) is n2 * gSize + g (GQA: head h reads KV head h // G). Op-plugin allocates the tensor as [T, N, 8]
+# (FlashAttentionKernelNpuOpApi.cpp), so "[T, N, 8]" is only its shape: in memory it is [N, s_b, 8] blocks per
+# sequence. With softmax_layout="TND" ("same_as_input") the rows follow the input: row t * N + h.
+def _kernel_row(s1_size_acc: int, n: int, g_size: int, n2: int, g: int, s1_size: int, s1: int) -> int:
+    """The 8-float row (flat index / 8) of one statistic in the default TND order, as the kernel computes it."""
+    return s1_size_acc * n + n2 * g_size * s1_size + g * s1_size + s1
+
+
+def _stat_rows(cum_q: list[int], n: int, n_kv: int, device) -> torch.Tensor:
+    """[T, N] long: for token t and query head h, the row holding its statistic (default layout)."""
+    rows = torch.empty(cum_q[-1] if cum_q else 0, n, dtype=torch.long)
+    g_size = n // n_kv
+    acc = 0
     for end in cum_q:
-        s = end - start
-        h = torch.arange(n, device=device)[None, :]
-        t = torch.arange(s, device=device)[:, None]
-        rows.append(n * start + h * s + t)  # block of sequence b begins at N * start, is [N, s] inside
-        start = end
-    return torch.cat(rows) if rows else torch.zeros(0, n, dtype=torch.long, device=device)
+        s1_size = end - acc
+        for n2 in range(n_kv):
+            for g in range(g_size):
+                base = _kernel_row(acc, n, g_size, n2, g, s1_size, 0)
+                rows[acc:end, n2 * g_size + g] = torch.arange(base, base + s1_size)
+        acc = end
+    return rows.to(device)
 
 
-def _stats_out(x: torch.Tensor, cum_q: list[int], softmax_layout: str) -> torch.Tensor:
+def _stats_out(x: torch.Tensor, cum_q: list[int], softmax_layout: str, n_kv: int) -> torch.Tensor:
     """[T, N] fp32 -> [T, N, 8] in the requested layout."""
     t, n = x.shape
     rep = x[..., None].expand(t, n, STAT_REPEAT)
     if softmax_layout == "TND":
         return rep.contiguous()
     out = torch.empty(t * n, STAT_REPEAT, dtype=x.dtype, device=x.device)
-    out[_stat_rows(cum_q, n, x.device).reshape(-1)] = rep.reshape(t * n, STAT_REPEAT)
+    out[_stat_rows(cum_q, n, n_kv, x.device).reshape(-1)] = rep.reshape(t * n, STAT_REPEAT)
     return out.view(t, n, STAT_REPEAT)
 
 
-def _stats_in(x: torch.Tensor, cum_q: list[int]) -> torch.Tensor:
-    """[T, N, 8] in the default per-sequence layout -> [T, N] fp32 (first of the 8 copies)."""
+def _stats_in(x: torch.Tensor, cum_q: list[int], softmax_layout: str, n_kv: int) -> torch.Tensor:
+    """[T, N, 8] in the given layout -> [T, N] fp32 (first of the 8 copies)."""
     t, n, _ = x.shape
-    rows = _stat_rows(cum_q, n, x.device)
+    if softmax_layout == "TND":
+        return x[..., 0].float()
+    rows = _stat_rows(cum_q, n, n_kv, x.device)
     return x.reshape(t * n, -1)[rows.reshape(-1), 0].view(t, n).float()
 
 
@@ -145,22 +162,58 @@ def _cumulative(name: str, seqs, total: int) -> list[int]:
     return cum
 
 
-def _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob) -> None:
+# The documented limits (op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_fusion_attention.md, 约束说明): the
+# varlen (TND) case takes at most 1K sequences, T in 1..1M, D in 1..768 with Dq == Dk >= Dv, Nq in 1..256 with
+# Nq % Nkv == 0. The real checks live in CANN's aclnn layer, whose wording is not public: the messages below are
+# the emulator's own, each naming the rule.
+MAX_SEQS = 1024
+MAX_T = 1 << 20
+MAX_D = 768
+MAX_N = 256
+FP32_FROM_CANN = (8, 2, -1, 1)  # float32 q/k/v: documented from TorchNPU 7.1.0 / CANN 8.2.RC1 (CANN 7.0.0: fp16/bf16)
+SOFTMAX_LAYOUT_FROM_CANN = (8, 3, -1, 1)  # aclnnFlashAttentionVarLenScoreV4 (softmax_layout): CANN 8.3.RC1
+SINK_FROM_CANN = (8, 5, 0, 0)  # aclnnFlashAttentionVarLenScoreV5 (sink): CANN 8.5.0
+
+
+def _cann_tuple(text: str) -> tuple[int, int, int, int]:
+    """'8.5.0' -> (8, 5, 0, 0), '8.3.RC1' -> (8, 3, -1, 1); anything unreadable -> (0, 0, 0, 0) (an old CANN)."""
+    import re
+
+    m = re.match(r"^\s*(\d+)\.(\d+)\.(?:(\d+)|RC(\d+))", text or "", re.IGNORECASE)
+    if m is None:
+        return (0, 0, 0, 0)
+    if m.group(4) is not None:
+        return int(m.group(1)), int(m.group(2)), -1, int(m.group(4))
+    return int(m.group(1)), int(m.group(2)), int(m.group(3)), 0
+
+
+def _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob,
+                  cann: tuple[int, int, int, int]) -> None:
     if input_layout != "TND":
         raise NotImplementedError(f"npu emulator: only input_layout='TND' is emulated, got {input_layout!r}")
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.dim() != 3:
             raise RuntimeError(f"npu_fusion_attention: TND {name} must be 3-D, got {tuple(x.shape)}")
-        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise RuntimeError(f"npu_fusion_attention: {name} dtype {x.dtype} is not supported")
+        allowed = (torch.float16, torch.bfloat16) + ((torch.float32,) if cann >= FP32_FROM_CANN else ())
+        if x.dtype not in allowed:
+            raise RuntimeError(f"npu_fusion_attention: {name} dtype {x.dtype} is not supported by this CANN "
+                               f"(supported: {', '.join(str(d) for d in allowed)})")
     if not (query.dtype == key.dtype == value.dtype):
         raise RuntimeError("npu_fusion_attention: query, key and value must share a dtype")
     if head_num != query.shape[1]:
         raise RuntimeError(f"npu_fusion_attention: head_num={head_num} but query has {query.shape[1]} heads")
+    if not 1 <= head_num <= MAX_N:
+        raise RuntimeError(f"npu_fusion_attention: N (query heads) must be in [1, {MAX_N}], got {head_num}")
     if key.shape[1] != value.shape[1] or query.shape[1] % key.shape[1]:
         raise RuntimeError(f"npu_fusion_attention: {query.shape[1]} query heads vs {key.shape[1]} key heads (GQA needs N % Nkv == 0)")
     if key.shape[2] != query.shape[2]:
-        raise RuntimeError("npu_fusion_attention: query and key head dims differ")
+        raise RuntimeError("npu_fusion_attention: query and key head dims differ (Dq must equal Dk)")
+    if value.shape[2] > key.shape[2]:
+        raise RuntimeError(f"npu_fusion_attention: Dk >= Dv is required, got Dk={key.shape[2]}, Dv={value.shape[2]}")
+    if max(query.shape[2], value.shape[2]) > MAX_D:
+        raise RuntimeError(f"npu_fusion_attention: D must be in [1, {MAX_D}], got {max(query.shape[2], value.shape[2])}")
+    if not 1 <= query.shape[0] <= MAX_T or not 1 <= key.shape[0] <= MAX_T:
+        raise RuntimeError(f"npu_fusion_attention: varlen T must be in [1, {MAX_T}], got {query.shape[0]}")
     if keep_prob != 1.0:
         raise NotImplementedError("npu emulator: keep_prob < 1 (dropout) is not emulated")
     if pse is not None or padding_mask is not None or prefix is not None:
@@ -202,6 +255,9 @@ def _geometry(head_num, query, key, scale, seq_q, seq_kv, atten_mask, sparse_mod
     cum_kv = _cumulative("actual_seq_kvlen", seq_kv, key.shape[0])
     if len(cum_q) != len(cum_kv):
         raise RuntimeError("npu_fusion_attention: actual_seq_qlen and actual_seq_kvlen differ in length")
+    if len(cum_q) > MAX_SEQS:
+        raise RuntimeError(f"npu_fusion_attention: varlen actual_seq_qlen holds at most {MAX_SEQS} sequences, "
+                           f"got {len(cum_q)}")
     lens_q = [b - a for a, b in zip([0, *cum_q], cum_q)]
     lens_kv = [b - a for a, b in zip([0, *cum_kv], cum_kv)]
     _check_mask(atten_mask, sparse_mode, max(lens_q), max(lens_kv))
@@ -284,11 +340,11 @@ class _FusionAttention(torch.autograd.Function):
     softmax statistics are non-differentiable outputs (gradients sent to them are dropped)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, sink, g: _Geometry, softmax_layout: str):
-        out, row_max, row_sum = _forward(g, query, key, value, sink)
+    def forward(ctx, query, key, value, sink, forward_sink, g: _Geometry, softmax_layout: str, n_kv: int):
+        out, row_max, row_sum = _forward(g, query, key, value, forward_sink)
         out = out.to(query.dtype)
-        smax = _stats_out(row_max, g.cum_q, softmax_layout)
-        ssum = _stats_out(row_sum, g.cum_q, softmax_layout)
+        smax = _stats_out(row_max, g.cum_q, softmax_layout, n_kv)
+        ssum = _stats_out(row_sum, g.cum_q, softmax_layout, n_kv)
         ctx.save_for_backward(query, key, value, sink, out, row_max, row_sum)
         ctx.g = g
         ctx.mark_non_differentiable(smax, ssum)
@@ -298,38 +354,91 @@ class _FusionAttention(torch.autograd.Function):
     def backward(ctx, d_out, _d_max, _d_sum):
         query, key, value, sink, out, row_max, row_sum = ctx.saved_tensors
         dq, dk, dv, dsink = _backward(ctx.g, query, key, value, d_out.to(query.dtype), row_max, row_sum, out, sink)
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dsink, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), dsink, None, None, None, None
 
 
 # --- the emulated module ---------------------------------------------------------------------------
-class NpuEmulator:
-    """One emulated torch_npu release. ``module`` is what lands in ``sys.modules["torch_npu"]``."""
+# Which release of Ascend Extension for PyTorch (TorchNPU) a torch_npu version belongs to, as far as these two ops'
+# signatures go (op_plugin/config/op_plugin_functions.yaml on op-plugin's 7.1.0, 7.2.0 and 7.3.0 branches):
+#   up to 7.1.0: neither softmax_layout nor sink; the grad op returns 4 tensors (dq, dk, dv, dpse);
+#   7.2.0: softmax_layout="" on both ops;
+#   7.3.0 on: sink=None on both ops; the grad op returns 5 tensors (dsink last).
+RELEASES = ("7.1.0", "7.2.0", "7.3.0")
+_FIRST_OF_RELEASE: dict[str, dict[tuple[int, int], str]] = {
+    "7.3.0": {(2, 6): "2.6.0.post5", (2, 7): "2.7.1.post2", (2, 8): "2.8.0.post2"},
+    "7.2.0": {(2, 6): "2.6.0.post3", (2, 7): "2.7.1", (2, 8): "2.8.0"},
+}
 
-    def __init__(self, version: str = "2.9.0", *, cann_version: str = "8.5.0", supports_sink: bool = True):
+
+def release_of(version: str) -> str:
+    """The TorchNPU release of a torch_npu version ('2.9.0' and later: 7.3.0 or newer, same signatures)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return RELEASES[0]
+    if v >= Version("2.9.0"):
+        return "7.3.0"
+    for release in ("7.3.0", "7.2.0"):
+        first = _FIRST_OF_RELEASE[release].get((v.major, v.minor))
+        if first is not None and v >= Version(first):
+            return release
+    return RELEASES[0]
+
+
+class NpuEmulator:
+    """One emulated torch_npu release on one chip. ``module`` is what lands in ``sys.modules["torch_npu"]``.
+
+    ``version`` picks the release (:func:`release_of`; ``release=`` overrides it), ``cann_version`` what CANN's
+    kernels can do (fp32 inputs from 8.2.RC1, softmax_layout from 8.3.RC1, sink from 8.5.0), ``soc_version``
+    the chip ("Ascend950..." emulates op-plugin's Ascend 950 path: the forward drops sink=)."""
+
+    def __init__(self, version: str = "2.9.0", *, cann_version: str = "8.5.0", release: str | None = None,
+                 soc_version: str = "Ascend910B3"):
         self.version = version
+        self.release = release or release_of(version)
+        if self.release not in RELEASES:
+            raise ValueError(f"npu emulator: release {self.release!r} is not one of {RELEASES}")
         self.cann_version = cann_version
-        self.supports_sink = supports_sink
+        self.soc_version = soc_version
         self.calls: list[dict[str, Any]] = []
         self.module = self._build_module()
         self._saved: dict[str, types.ModuleType | None] = {}
 
-    # The two documented ops. ``sink`` is keyword-gated by the emulated release.
+    @property
+    def supports_sink(self) -> bool:
+        return self.release >= "7.3.0"
+
+    @property
+    def supports_softmax_layout(self) -> bool:
+        return self.release >= "7.2.0"
+
+    @property
+    def is_950(self) -> bool:
+        return self.soc_version.lower().startswith("ascend950")
+
+    # The two documented ops. Keywords a release does not have are refused as Python refuses them.
     def npu_fusion_attention(
         self, query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
         scale=1.0, keep_prob=1.0, pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0,
         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
-        sync=False, softmax_layout="", sink=_UNSET,
+        sync=False, softmax_layout=_UNSET, sink=_UNSET,
     ):
-        sink = self._gate_sink("npu_fusion_attention", sink)
-        _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob)
-        if softmax_layout not in ("", "TND"):
-            raise RuntimeError(f"npu_fusion_attention: softmax_layout must be '' or 'TND', got {softmax_layout!r}")
+        op = "npu_fusion_attention"
+        softmax_layout, sink = self._gate_keywords(op, softmax_layout, sink)
+        cann = _cann_tuple(self.cann_version)
+        _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob, cann)
         sink = _check_sink(sink, head_num)
+        self._check_kernel_available(op, sink, softmax_layout, cann, "aclnnFlashAttentionVarLenScore")
         g = _geometry(head_num, query, key, scale, actual_seq_qlen, actual_seq_kvlen, atten_mask, sparse_mode,
                       pre_tockens, next_tockens)
-        self._record("npu_fusion_attention", g, scale=scale, sink=sink is not None, softmax_layout=softmax_layout,
+        # Ascend 950: op-plugin calls aclnnFlashAttentionScoreV4 with no sink (the backward still gets it).
+        forward_sink = None if self.is_950 else sink
+        self._record(op, g, scale=scale, sink=sink is not None, softmax_layout=softmax_layout,
                      actual_seq_qlen=list(actual_seq_qlen), actual_seq_kvlen=list(actual_seq_kvlen))
-        out, smax, ssum = _FusionAttention.apply(query, key, value, sink, g, softmax_layout)
+        out, smax, ssum = _FusionAttention.apply(query, key, value, sink, forward_sink, g, softmax_layout,
+                                                 key.shape[1])
         softmax_out = torch.empty(0, dtype=query.dtype, device=query.device)  # reserved by the op
         return out, smax, ssum, softmax_out, 0, 0, 0
 
@@ -338,11 +447,14 @@ class NpuEmulator:
         softmax_max=None, softmax_sum=None, softmax_in=None, attention_in=None, scale_value=1.0, keep_prob=1.0,
         pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0, seed=0, offset=0, numels=0,
         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
-        sync=False, sink=_UNSET,
+        sync=False, softmax_layout=_UNSET, sink=_UNSET,
     ):
-        sink = self._gate_sink("npu_fusion_attention_grad", sink)
-        _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob)
+        op = "npu_fusion_attention_grad"
+        softmax_layout, sink = self._gate_keywords(op, softmax_layout, sink)
+        cann = _cann_tuple(self.cann_version)
+        _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob, cann)
         sink = _check_sink(sink, head_num)
+        self._check_kernel_available(op, sink, softmax_layout, cann, "aclnnFlashAttentionUnpaddingScoreGrad")
         if softmax_max is None or softmax_sum is None or attention_in is None:
             raise RuntimeError("npu_fusion_attention_grad: softmax_max, softmax_sum and attention_in are required")
         t, n = query.shape[:2]
@@ -354,25 +466,47 @@ class NpuEmulator:
             raise RuntimeError("npu_fusion_attention_grad: dy and attention_in must be [T, N, Dv]")
         g = _geometry(head_num, query, key, scale_value, actual_seq_qlen, actual_seq_kvlen, atten_mask,
                       sparse_mode, pre_tockens, next_tockens)
-        self._record("npu_fusion_attention_grad", g, scale=scale_value, sink=sink is not None,
+        self._record(op, g, scale=scale_value, sink=sink is not None, softmax_layout=softmax_layout,
                      actual_seq_qlen=list(actual_seq_qlen), actual_seq_kvlen=list(actual_seq_kvlen))
+        n_kv = key.shape[1]
         with torch.no_grad():
-            dq, dk, dv, dsink = _backward(g, query, key, value, dy, _stats_in(softmax_max, g.cum_q),
-                                          _stats_in(softmax_sum, g.cum_q), attention_in, sink)
+            dq, dk, dv, dsink = _backward(g, query, key, value, dy,
+                                          _stats_in(softmax_max, g.cum_q, softmax_layout, n_kv),
+                                          _stats_in(softmax_sum, g.cum_q, softmax_layout, n_kv), attention_in, sink)
         empty = torch.empty(0, device=query.device)
-        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), empty,
-                dsink if dsink is not None else empty)
+        grads = (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), empty)
+        if not self.supports_sink:
+            return grads  # 4 outputs up to 7.2.0
+        return (*grads, dsink if dsink is not None else torch.empty(0, device=query.device))
 
     def get_cann_version(self, module: str = "CANN") -> str:
         return self.cann_version if module == "CANN" else ""
 
+    def get_device_name(self, device=None) -> str:
+        return self.soc_version
+
     # --- plumbing ---------------------------------------------------------------------------------
-    def _gate_sink(self, op: str, sink):
-        if sink is _UNSET:
-            return None
-        if not self.supports_sink:  # an old release: the keyword does not exist in its signature
-            raise TypeError(f"{op}() got an unexpected keyword argument 'sink' (emulated torch_npu {self.version})")
-        return sink
+    def _gate_keywords(self, op: str, softmax_layout, sink) -> tuple[str, Any]:
+        """The release's signature: an unknown keyword is a TypeError, as from the real binding."""
+        for name, value, has in (("softmax_layout", softmax_layout, self.supports_softmax_layout),
+                                 ("sink", sink, self.supports_sink)):
+            if value is not _UNSET and not has:
+                raise TypeError(f"{op}() got an unexpected keyword argument '{name}' "
+                                f"(emulated torch_npu {self.version}, TorchNPU {self.release})")
+        layout = "" if softmax_layout is _UNSET else softmax_layout
+        if layout not in ("", "TND"):  # op-plugin's own check, its wording
+            raise RuntimeError("only supported softmax_layout=TND")
+        return layout, (None if sink is _UNSET else sink)
+
+    def _check_kernel_available(self, op: str, sink, softmax_layout: str, cann, kernel: str) -> None:
+        """op-plugin's checks before it launches (FlashAttentionKernelNpuOpApi.cpp, chips before Ascend 950):
+        sink= needs the V5 aclnn kernel (CANN 8.5.0), softmax_layout="TND" without sink the V4 one (8.3.RC1)."""
+        if self.is_950:
+            return  # one kernel (aclnnFlashAttentionScoreV4 / GradV4) takes every argument there
+        if sink is not None and cann < SINK_FROM_CANN:
+            raise RuntimeError(f"The param sink is not supported in this CANN version, {kernel}V5 is not available")
+        if sink is None and softmax_layout == "TND" and cann < SOFTMAX_LAYOUT_FROM_CANN:
+            raise RuntimeError("The param softmax_layout is not supported")
 
     def _record(self, op: str, g: _Geometry, **extra) -> None:
         self.calls.append({"op": op, "head_num": g.head_num, "sparse_mode": g.sparse_mode, "pre_tockens": g.pre,
@@ -389,6 +523,7 @@ class NpuEmulator:
         npu = types.ModuleType("torch_npu.npu")
         npu.utils = types.ModuleType("torch_npu.npu.utils")
         npu.utils.get_cann_version = self.get_cann_version
+        npu.get_device_name = self.get_device_name
         utils = types.ModuleType("torch_npu.utils")
         utils.get_cann_version = self.get_cann_version
         mod.npu, mod.utils = npu, utils
@@ -419,10 +554,11 @@ class NpuEmulator:
         self.uninstall()
 
 
-def install_emulator(version: str = "2.9.0", *, cann_version: str = "8.5.0", supports_sink: bool = True) -> NpuEmulator:
+def install_emulator(version: str = "2.9.0", *, cann_version: str = "8.5.0", release: str | None = None,
+                     soc_version: str = "Ascend910B3") -> NpuEmulator:
     """Put an emulated torch_npu into ``sys.modules`` now; undo with ``.uninstall()`` or use it as a context
-    manager (``with install_emulator(version="2.8.0", supports_sink=False) as npu: ...``)."""
-    return NpuEmulator(version, cann_version=cann_version, supports_sink=supports_sink).install()
+    manager (``with install_emulator(version="2.8.0", cann_version="8.3.RC1") as npu: ...``)."""
+    return NpuEmulator(version, cann_version=cann_version, release=release, soc_version=soc_version).install()
 
 
 def emulated_ascend_backend():

@@ -77,7 +77,7 @@ def test_old_release_takes_the_lse_route_and_forcing_native_fails_loudly(monkeyp
     monkeypatch.delenv(SINK_ENV, raising=False)
     sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
     expected = _attend(sinks, "cpu")
-    with install_emulator("2.8.0", cann_version="8.3.RC1", supports_sink=False) as old:
+    with install_emulator("2.8.0", cann_version="8.3.RC1") as old:
         got = _attend(sinks, emulated_ascend_backend())
         assert not any(c["sink"] for c in old.calls)
         assert any(c["op"] == "npu_fusion_attention_grad" for c in old.calls)

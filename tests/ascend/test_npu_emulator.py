@@ -193,7 +193,7 @@ def test_head_num_and_layout_are_checked(npu):
 def test_old_release_does_not_know_the_sink_keyword():
     q, k, v, _ = make_inputs(4, 2)
     base = {"scale": 0.3, "actual_seq_qlen": cumulative(Q_LENS), "actual_seq_kvlen": cumulative(KV_LENS)}
-    with install_emulator(version="2.8.0", cann_version="8.3.RC1", supports_sink=False) as old:
+    with install_emulator(version="2.8.0", cann_version="8.3.RC1") as old:
         import torch_npu
 
         assert torch_npu is old.module and torch_npu.__version__ == "2.8.0"

@@ -46,9 +46,19 @@ NATIVE_SINK_CANN_MIN = (8, 5, 0)
 COMPRESSED_MASK_SIZE = 2048
 SPARSE_CAUSAL = 3  # rightDownCausal; == leftUpCausal here because every document has Sq == Skv
 SPARSE_BAND = 4
+# The op's documented limits (op-plugin docs/zh/custom_APIs/torch_npu/torch_npu-npu_fusion_attention.md, 约束说明):
+# actual_seq_qlen holds at most 1K sequences in the varlen (TND) case, T <= 1M, D (and Dv) <= 768, Nq <= 256,
+# Nq % Nkv == 0, Dq == Dk >= Dv. Beyond 1024 sequences or 1M tokens the batch is cut into several calls; Dk < Dv
+# (never in polyrl's models) is padded; more than 256 query heads are cut into head groups.
+MAX_SEQS_PER_CALL = 1024
+MAX_TOKENS_PER_CALL = 1 << 20
+MAX_HEAD_DIM = 768
+MAX_HEADS = 256
+SOFTMAX_LAYOUT_CANN_MIN = (8, 3, -1, 1)  # 8.3.RC1
+FP32_CANN_MIN = (8, 2, -1, 1)  # 8.2.RC1
 
 _masks: dict[torch.device, torch.Tensor] = {}
-_detected: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch_npu module -> (mode, reason)
+_detected: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # torch_npu module -> {chip: (mode, reason)}
 
 
 # --- sink support detection ------------------------------------------------------------------------
@@ -94,18 +104,27 @@ def _cann_version(torch_npu: Any) -> str | None:
 
 
 def detect_sink_mode(torch_npu: Any) -> tuple[str, str]:
-    """("native" | "lse", why) from the installed torch_npu and CANN; unknown versions choose "lse"."""
-    if torch_npu in _detected:
-        return _detected[torch_npu]
+    """("native" | "lse", why) from the installed torch_npu, CANN and chip; unknown versions choose "lse".
+
+    Ascend 950 always takes "lse": op-plugin's forward there passes no sink to the kernel while its backward does
+    (polyrl.backends.ascend.chip), so the native route would be silently wrong."""
+    from polyrl.backends.ascend.chip import is_ascend_950, soc_name
+
+    chip = soc_name(torch_npu)
+    cached = _detected.setdefault(torch_npu, {})
+    if chip in cached:
+        return cached[chip]
     version = str(getattr(torch_npu, "__version__", ""))
     cann = _cann_version(torch_npu)
-    if not torch_npu_supports_sink(version):
+    if is_ascend_950(chip):
+        result = ("lse", f"{chip}: op-plugin's forward ignores sink= on Ascend 950 (its backward does not)")
+    elif not torch_npu_supports_sink(version):
         result = ("lse", f"torch_npu {version or '?'} has no sink= (needs 2.6.0.post5 / 2.7.1.post2 / 2.8.0.post2 / 2.9.0+)")
     elif not cann_supports_sink(cann):
         result = ("lse", f"CANN {cann or 'version unknown'} is older than 8.5.0 (needed for sink=)")
     else:
         result = ("native", f"torch_npu {version} with CANN {cann} supports sink=")
-    _detected[torch_npu] = result
+    cached[chip] = result
     return result
 
 
@@ -117,6 +136,23 @@ def sink_mode(torch_npu: Any) -> str:
             raise ValueError(f"{SINK_ENV}={forced!r}: expected one of {', '.join(SINK_MODES)}")
         return forced
     return detect_sink_mode(torch_npu)[0]
+
+
+# --- what the installed release has ---------------------------------------------------------------
+def softmax_layout_supported(torch_npu: Any) -> bool:
+    """``softmax_layout="TND"`` (statistics in token order) exists from TorchNPU 7.2.0 with CANN 8.3.RC1; polyrl
+    uses it only where it is sure: the releases with ``sink=`` (7.3.0+, the table above) and CANN >= 8.3.RC1.
+    Elsewhere the statistics come in the default per-sequence order and are reordered here."""
+    version = str(getattr(torch_npu, "__version__", ""))
+    parsed = parse_cann_version(_cann_version(torch_npu) or "")
+    return torch_npu_supports_sink(version) and parsed is not None and parsed >= SOFTMAX_LAYOUT_CANN_MIN
+
+
+def fp32_supported(torch_npu: Any) -> bool:
+    """float32 query/key/value: documented from TorchNPU 7.1.0 (CANN 8.2.RC1); CANN 7.0.0's page lists float16
+    and bfloat16 only. An unknown CANN (the helper is empty before 8.1.RC1) counts as old."""
+    parsed = parse_cann_version(_cann_version(torch_npu) or "")
+    return parsed is not None and parsed >= FP32_CANN_MIN
 
 
 # --- op arguments ----------------------------------------------------------------------------------
@@ -137,15 +173,61 @@ def mask_kwargs(window: int | None, device: torch.device) -> dict[str, Any]:
             "next_tockens": 0}
 
 
+_last_ends: list[Any] = [None, -1, None]  # cu_seqlens object, its version, its ends
+
+
 def _seq_ends(cu_seqlens: torch.Tensor) -> list[int]:
-    """cu_seqlens [N+1] -> cumulative ends without the leading 0, empty documents dropped (host ints)."""
+    """cu_seqlens [N+1] -> cumulative ends without the leading 0, empty documents dropped (host ints).
+
+    The op wants host lists, and reading a device tensor stalls the host: every layer of a forward receives the
+    same ``cu_seqlens`` object (validated on the host once per micro-batch, polyrl.core.trainer.batch), so its
+    ends are read once — the object is kept, and its in-place version checked — not once per layer."""
+    c, version, ends = _last_ends
+    if c is cu_seqlens and version == cu_seqlens._version:
+        return ends
     ends = []
     for end in cu_seqlens.tolist()[1:]:
         if not ends or end != ends[-1]:
             ends.append(int(end))
-    return [e for e in ends if e > 0]
+    ends = [e for e in ends if e > 0]
+    _last_ends[:] = [cu_seqlens, cu_seqlens._version, ends]
+    return ends
 
 
+def split_calls(ends: list[int], max_seqs: int = MAX_SEQS_PER_CALL, max_tokens: int = MAX_TOKENS_PER_CALL
+                ) -> list[tuple[int, int, list[int]]]:
+    """Cut the packed documents into runs the op accepts: at most ``max_seqs`` sequences and ``max_tokens``
+    tokens per call. Returns (token start, token end, ends relative to the start) per call; one call when the
+    batch fits (the usual case). A single document longer than ``max_tokens`` cannot be cut (its keys are one
+    softmax): ValueError."""
+    calls: list[tuple[int, int, list[int]]] = []
+    start, run = 0, []
+    for end in ends:
+        prev = run[-1] + start if run else start
+        if end - prev > max_tokens:
+            raise ValueError(f"npu_fusion_attention: a document of {end - prev} tokens exceeds the op's limit of "
+                             f"{max_tokens} tokens per call (T <= 1M)")
+        if run and (len(run) == max_seqs or end - start > max_tokens):
+            calls.append((start, prev, run))
+            start, run = prev, []
+        run.append(end - start)
+    if run:
+        calls.append((start, start + run[-1], run))
+    return calls
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The documented limits no reroute can lift: head dim <= 768 and a GQA group of at most 256 heads."""
+    d, dv = q.shape[2], v.shape[2]
+    if max(d, dv) > MAX_HEAD_DIM:
+        raise ValueError(f"npu_fusion_attention supports head dims up to {MAX_HEAD_DIM}, got D={d}, Dv={dv}")
+    group = q.shape[1] // k.shape[1]
+    if group > MAX_HEADS:
+        raise ValueError(f"npu_fusion_attention supports at most {MAX_HEADS} query heads per call, and one KV head's "
+                         f"group of {group} query heads cannot be split")
+
+
+# --- softmax statistics: [T, Hq, 8], per-sequence order by default -------------------------------------
 def _stat_rows(ends: list[int], hq: int, device: torch.device) -> torch.Tensor:
     """[T, Hq]: the row of softmax_max/sum ([T*Hq] rows of 8) holding (token, head) in the op's default
     TND order, where sequence b's statistics are one [Hq, s_b] block starting at row Hq * start_b."""
@@ -158,15 +240,19 @@ def _stat_rows(ends: list[int], hq: int, device: torch.device) -> torch.Tensor:
     return (hq * starts[doc])[:, None] + head * lens[doc][:, None] + (tok - starts[doc])[:, None]
 
 
-def _stats_to_tokens(stat: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """softmax_max/sum [T, Hq, 8] (default order) -> [T, Hq] fp32."""
+def _stats_to_tokens(stat: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """softmax_max/sum [T, Hq, 8] (default order, or token order when ``rows`` is None) -> [T, Hq] fp32."""
+    if rows is None:
+        return stat[..., 0].float()
     t, hq = rows.shape
     return stat.reshape(t * hq, -1)[rows.reshape(-1), 0].view(t, hq).float()
 
 
-def _stats_from_tokens(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[T, Hq] fp32 -> [T, Hq, 8] in the op's default order (the inverse of _stats_to_tokens)."""
+def _stats_from_tokens(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[T, Hq] fp32 -> [T, Hq, 8] in the op's order (the inverse of _stats_to_tokens)."""
     t, hq = x.shape
+    if rows is None:
+        return x.float()[..., None].expand(t, hq, 8).contiguous()
     out = torch.empty(t * hq, 8, dtype=torch.float32, device=x.device)
     out[rows.reshape(-1)] = x.reshape(t * hq, 1).float().expand(t * hq, 8)
     return out.view(t, hq, 8)
@@ -182,7 +268,8 @@ class _LseSinkAttention(torch.autograd.Function):
 
         hq = q.shape[1]
         out, smax, ssum = torch_npu.npu_fusion_attention(q, k, v, hq, "TND", scale=scale, **op_kwargs)[:3]
-        rows = _stat_rows(op_kwargs["actual_seq_qlen"], hq, q.device)
+        in_token_order = op_kwargs.get("softmax_layout") == "TND"
+        rows = None if in_token_order else _stat_rows(op_kwargs["actual_seq_qlen"], hq, q.device)
         m = _stats_to_tokens(smax, rows)  # (T, Hq) row max of the sink-free logits
         row_l = _stats_to_tokens(ssum, rows)  # (T, Hq) sum of exp(logit - m)
         s = sinks.float()[None, :]
@@ -227,18 +314,49 @@ def npu_varlen_attention(
     """The Backend.varlen_attention contract (polyrl.core.attention) on npu_fusion_attention.
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], cu_seqlens [N+1] -> [T, Hq, Dv] in q's dtype; the device
-    is q's (an NPU on hardware; the CPU under the emulator).
+    is q's (an NPU on hardware; the CPU in CPU mode). Within the op's limits this is one call; beyond them the
+    batch is cut (more than 1024 sequences or 1M tokens: by documents; more than 256 query heads: by KV-head
+    groups), and Dk < Dv is padded with zero columns (which leave the logits unchanged).
     """
     import torch_npu
 
     t, hq = q.shape[:2]
+    dv = v.shape[2]
     if t == 0:
-        return q.new_zeros(0, hq, v.shape[2])
-    ends = _seq_ends(cu_seqlens)
-    op_kwargs = {"actual_seq_qlen": ends, "actual_seq_kvlen": ends, **mask_kwargs(window, q.device)}
+        return q.new_zeros(0, hq, dv)
+    check_shapes(q, k, v)
+    if q.dtype == torch.float32 and not fp32_supported(torch_npu):
+        raise ValueError(f"npu_fusion_attention takes float32 inputs from CANN 8.2.RC1 on (found CANN "
+                         f"{_cann_version(torch_npu) or 'version unknown'}): set model.dtype to bfloat16")
+    if q.shape[2] < dv:  # the op wants Dk >= Dv: zero columns add nothing to q.k
+        q = torch.nn.functional.pad(q, (0, dv - q.shape[2]))
+        k = torch.nn.functional.pad(k, (0, dv - k.shape[2]))
+    mode = sink_mode(torch_npu) if sinks is not None else None
+    layout = {"softmax_layout": "TND"} if mode == "lse" and softmax_layout_supported(torch_npu) else {}
+    calls = split_calls(_seq_ends(cu_seqlens))
+    hkv = k.shape[1]
+    kv_per_call = max(1, MAX_HEADS // (hq // hkv))
+    outs = []
+    for start, end, ends in calls:
+        op_kwargs = {"actual_seq_qlen": ends, "actual_seq_kvlen": ends, **mask_kwargs(window, q.device), **layout}
+        parts = []
+        for h0 in range(0, hkv, kv_per_call):  # one pass unless Hq > 256
+            h1 = min(h0 + kv_per_call, hkv)
+            qh = slice(h0 * (hq // hkv), h1 * (hq // hkv))
+            parts.append(_attend(q[start:end, qh], k[start:end, h0:h1], v[start:end, h0:h1],
+                                 None if sinks is None else sinks[qh], op_kwargs, scale, mode))
+        outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+def _attend(q, k, v, sinks, op_kwargs: dict[str, Any], scale: float, mode: str | None) -> torch.Tensor:
+    """One npu_fusion_attention call (and its backward) on a run the op accepts."""
+    import torch_npu
+
+    hq = q.shape[1]
     if sinks is None:
         return torch_npu.npu_fusion_attention(q, k, v, hq, "TND", scale=scale, **op_kwargs)[0]
-    if sink_mode(torch_npu) == "native":
+    if mode == "native":
         # The op takes the sinks in fp32; autograd casts dsink back to the parameter's dtype.
         return torch_npu.npu_fusion_attention(q, k, v, hq, "TND", scale=scale, sink=sinks.float(), **op_kwargs)[0]
     return _LseSinkAttention.apply(q, k, v, sinks, op_kwargs, scale)
