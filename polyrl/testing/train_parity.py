@@ -133,7 +133,8 @@ def _load_cfg(recipe: str, dtype: str | None, seed: int, extra: Sequence[str] = 
     return load_config(_recipe_spec(recipe), overrides)
 
 
-def step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None]) -> None:
+def step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None],
+                recipes: Sequence[str] = TINY_RECIPES) -> None:
     """Rows of the step level for both tiny recipes (see the module docstring). ``dtype``: the models'
     dtype (default: the recipe's own ``model.dtype``)."""
     import torch
@@ -145,7 +146,7 @@ def step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None]
     from polyrl.testing.parity import FAIL, NOT_RUN, PASS, ParityRow
 
     cpu = list_backends()["cpu"]
-    for recipe in TINY_RECIPES:
+    for recipe in recipes:
         ref_cfg = _load_cfg(recipe, None, STEP_SEED, ["trainer.num_threads=0"])  # the recipe's dtype (fp32)
         cfg = _load_cfg(recipe, dtype, STEP_SEED, ["trainer.num_threads=0"])
         run_dtype = cfg.model.dtype
@@ -295,13 +296,13 @@ def _polyrl_run(recipe: str, backend: str, seed: int, steps: int, out: Path, emu
 
 def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int = DEFAULT_STEPS,
                   seeds: Sequence[int] = DEFAULT_SEEDS, emulate: bool = False, jobs: int = 2,
-                  dtype: str | None = None) -> None:
+                  dtype: str | None = None, recipes: Sequence[str] = TINY_RECIPES) -> None:
     """Rows of the recipe level: per tiny recipe, reward MAE, final reward difference, loss MAE."""
     from polyrl.core.tolerances import TOLERANCES
     from polyrl.testing.parity import FAIL, PASS, ParityRow
 
     with tempfile.TemporaryDirectory(prefix="polyrl-parity-") as tmp:
-        jobs_list = [(recipe, side, seed) for recipe in TINY_RECIPES for seed in seeds for side in ("backend", "cpu")]
+        jobs_list = [(recipe, side, seed) for recipe in recipes for seed in seeds for side in ("backend", "cpu")]
 
         def one(job: tuple[str, str, int]) -> dict[str, Any]:
             recipe, side, seed = job
@@ -312,7 +313,7 @@ def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int =
 
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             results = dict(zip(jobs_list, pool.map(one, jobs_list)))
-    for recipe in TINY_RECIPES:
+    for recipe in recipes:
         name = f"{recipe} x{len(seeds)} seeds, {steps} steps"
         runs = {side: [results[(recipe, side, s)] for s in seeds] for side in ("backend", "cpu")}
         errors = [r["error"] for side in runs.values() for r in side if "error" in r]
