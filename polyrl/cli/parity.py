@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from polyrl.testing.conformance import DTYPES
@@ -74,6 +75,7 @@ def _print_row(r: ParityRow) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from polyrl.core.errors import BadInputError
     from polyrl.core.plugins import list_backends
     from polyrl.core.plugins.selection import resolve_backend
     from polyrl.testing.parity import backend_dtype, run_parity
@@ -89,6 +91,13 @@ def main(args: argparse.Namespace) -> int:
     else:
         backend = resolve_backend(args.backend)  # unknown name -> BadInputError, exit 2
     levels = tuple(args.level or LEVELS)
+    if args.plot and "recipe" not in levels:
+        raise BadInputError("--plot draws the recipe level's curves: add --level recipe (or leave --level out)")
+    if args.plot:
+        _check_matplotlib()
+    for path in (args.output, args.plot):  # found missing now, not after the runs
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or backend_dtype(backend)
     emulate = bool(args.emulate)
     options = dict(steps=args.steps, seeds=args.seeds, emulate=emulate, jobs=args.jobs)
@@ -107,11 +116,23 @@ def main(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
-        from polyrl.testing.parity_plot import plot_recipe_curves
+        from polyrl.testing.parity_plot import plot_recipe_curves, recipe_curves
 
-        plot_recipe_curves(report, args.plot)
+        if recipe_curves(report):
+            plot_recipe_curves(report, args.plot)
+        else:
+            print(f"polyrl parity: --plot {args.plot}: not drawn, the recipe level has no curves", file=sys.stderr)
     ran = [r for r in rows if r.status in (PASS, FAIL)]
     return 0 if ran and not any(r.status == FAIL for r in rows) else 1
+
+
+def _check_matplotlib() -> None:
+    from polyrl.core.errors import BadInputError
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BadInputError("--plot needs matplotlib: pip install 'polyrl[report]'") from None
 
 
 def _plot_only(args: argparse.Namespace) -> int:

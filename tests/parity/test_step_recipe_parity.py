@@ -62,8 +62,10 @@ def test_step_level_both_recipes_pass_with_every_quantity_measured(backend_under
 def test_step_level_fails_a_backend_with_a_kernel_bug():
     rows = run_parity(WrongScaleBackend(), ("step",), recipes=("gpt_oss_dapo_tiny",))
     cases = _by_case(rows)
-    for q in ("actor loss", "actor grad norm", "actor update, median tensor"):
-        assert cases[q].status == FAIL and cases[q].error > 10 * cases[q].bar, cases[q]
+    # measured: loss 7.8x its bar, grad norm 4.4x, median tensor update 59x (the emulated ascend backend, a
+    # correct kernel in another order, measures < 2e-3 of each bar)
+    for q in ("actor loss", "actor grad norm", "actor update, worst tensor", "actor update, median tensor"):
+        assert cases[q].status == FAIL and cases[q].error > 2 * cases[q].bar, rows
 
 
 @pytest.mark.parametrize("backend_under_test", BACKENDS, indirect=True)
