@@ -62,3 +62,43 @@ def plot_recipe_curves(report: dict[str, Any], path: str | Path) -> Path:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def markdown_summary(report: dict[str, Any]) -> str:
+    """One table row per (level, quantity): the worst measured error over the cases of that quantity, its bar
+    and how many rows passed — the table docs/parity.md publishes, from a saved report."""
+    from polyrl.testing.parity import LEVELS
+
+    lines = [f"backend {report.get('origin', report.get('backend'))}"
+             f"{' (emulated)' if report.get('emulated') else ''}, policy dtype {report.get('dtype')}", "",
+             "| level | quantity | worst measured error | bar | rows passed |", "|---|---|---|---|---|"]
+    for level in LEVELS:
+        groups: dict[str, list[dict[str, Any]]] = {}
+        for row in (report.get(level) or {}).get("rows", []):
+            case = row["case"]
+            if level == "op":
+                what = case.rsplit(": ", 1)[-1]
+            elif level == "recipe":
+                what = case.split(" ")[0] + ": " + case.rsplit(": ", 1)[-1]
+            else:
+                what = case.split(": ", 1)[-1] if level == "step" else case
+            groups.setdefault(what, []).append(row)
+        for what, rows in groups.items():
+            errors = [r["error"] for r in rows if r.get("error") is not None]
+            bars = sorted({r["bar"] for r in rows if r.get("bar") is not None})
+            worst = f"{max(errors):.2e}" if errors else "-"
+            bar = " / ".join(f"{b:.2g}" for b in bars) or "-"
+            passed = sum(r["status"] == "pass" for r in rows)
+            status = "" if all(r["status"] != "not run" for r in rows) else " (not run: " + rows[0]["detail"] + ")"
+            lines.append(f"| {level} | {what} | {worst} | {bar} | {passed}/{len(rows)}{status} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m polyrl.testing.parity_plot REPORT.json [OUT.png]
+    import json
+    import sys
+
+    data = json.loads(Path(sys.argv[1]).read_text())
+    print(markdown_summary(data))
+    if len(sys.argv) > 2:
+        print(f"curves: {plot_recipe_curves(data, sys.argv[2])}")
