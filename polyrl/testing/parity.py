@@ -92,39 +92,35 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
 
     from polyrl.core import algorithms as A
     from polyrl.core.models import build_model
-    from polyrl.core.plugins.selection import get_active_backend, set_active_backend
+    from polyrl.core.plugins import list_backends
     from polyrl.core.tolerances import TOLERANCES, check_close
+    from polyrl.testing.train_parity import active_backend
 
     rows: list[ParityRow] = []
     emit = _emitter(rows, on_row)
     doc_lens = (9, 1, 40)
     positions = torch.cat([torch.arange(n) for n in doc_lens])[None]
-    previous = get_active_backend().name
-    try:
-        for preset in ("gpt_oss_tiny", "deepseek_v3_tiny"):
-            model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32,
-                                overrides={"sliding_window": 4} if preset.startswith("gpt_oss") else None)
-            ids = torch.randint(0, 32, (1, sum(doc_lens)), generator=torch.Generator().manual_seed(1))
-            labels = ids[:, 1:]
-            set_active_backend("cpu")
-            with torch.no_grad():
-                ref = A.logprobs_from_logits(model(input_ids=ids, position_ids=positions).logits[:, :-1], labels)
-            set_active_backend(backend.name)
-            dev = backend.device(0)
-            dut_model = model.to(dev, getattr(torch, dtype))
-            with torch.no_grad():
-                logits = dut_model(input_ids=ids.to(dev), position_ids=positions.to(dev)).logits[:, :-1]
-                got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
-            key = ("model.logprobs", dtype)
-            if key not in TOLERANCES:
-                emit(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
-                               detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
-                continue
-            err, bar, ok = check_close("model.logprobs", got, ref, dtype)
-            emit(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
-                           "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
-    finally:
-        set_active_backend(previous)
+    cpu = list_backends()["cpu"]
+    for preset in ("gpt_oss_tiny", "deepseek_v3_tiny"):
+        model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32,
+                            overrides={"sliding_window": 4} if preset.startswith("gpt_oss") else None)
+        ids = torch.randint(0, 32, (1, sum(doc_lens)), generator=torch.Generator().manual_seed(1))
+        labels = ids[:, 1:]
+        with active_backend(cpu), torch.no_grad():
+            ref = A.logprobs_from_logits(model(input_ids=ids, position_ids=positions).logits[:, :-1], labels)
+        dev = backend.device(0)
+        dut_model = model.to(dev, getattr(torch, dtype))
+        with active_backend(backend), torch.no_grad():
+            logits = dut_model(input_ids=ids.to(dev), position_ids=positions.to(dev)).logits[:, :-1]
+            got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
+        key = ("model.logprobs", dtype)
+        if key not in TOLERANCES:
+            emit(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
+                           detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
+            continue
+        err, bar, ok = check_close("model.logprobs", got, ref, dtype)
+        emit(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
+                       "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
     return rows
 
 
