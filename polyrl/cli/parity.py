@@ -24,13 +24,14 @@ from polyrl.testing.parity import FAIL, LEVELS, PASS, REFERENCES, ParityRow, par
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("parity", help="compare a backend with the CPU reference (op, model, step, recipe)")
-    _add_report_options(p)
     p.add_argument("--backend", default=None, help="backend to check (default: the selected one)")
     p.add_argument("--level", choices=LEVELS, action="append", help="level(s) to run (default: all)")
     p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="dtype to run in (default: the backend's own, its sharding policy's param_dtype)")
+                   help="dtype to run in (default: op/model the backend's own, its sharding policy's param_dtype; "
+                        "step/recipe the recipe's model.dtype)")
     p.add_argument("--emulate", action="store_true", help="run the backend on the CPU through its emulator (ascend)")
     p.add_argument("--json", action="store_true", help="print JSON at the end instead of rows as they complete")
+    _add_report_options(p)
 
 
 def _seeds(text: str) -> tuple[int, ...]:

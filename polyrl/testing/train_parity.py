@@ -327,14 +327,22 @@ def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int =
         # seed-to-seed spread of the cpu reward curves: the scale of the chaos the statistic averages over
         per_step_sd = [statistics.pstdev(r["reward"][t] for r in runs["cpu"]) for t in range(len(avg["cpu"]["reward"]))]
         spread = statistics.fmean(per_step_sd) / math.sqrt(len(seeds))
+        # where each seed's pair of trajectories first parts (None: identical rewards throughout)
+        parted = [next((t + 1 for t, (a, b) in enumerate(zip(rb["reward"], rc["reward"])) if a != b), None)
+                  for rb, rc in zip(runs["backend"], runs["cpu"])]
+        same = sum(p is None for p in parted)
+        parted_text = f"{same}/{len(seeds)} seeds with identical reward curves" + (
+            "" if same == len(seeds) else
+            "; the others part at step " + ", ".join(str(p) for p in parted if p is not None))
         curves = {"steps": list(range(1, len(avg["cpu"]["reward"]) + 1)), "seeds": list(seeds),
                   "backend": backend.name, "emulated": emulate,
                   "per_seed": {side: [{"reward": r["reward"], "loss": r["loss"]} for r in rs]
                                for side, rs in runs.items()},
-                  "mean": avg}
+                  "mean": avg, "parted_at": parted}
         for case, err, key, detail, extra in (
             ("reward MAE", rew["mae"], "recipe.reward_mae",
-             f"seed-averaged curves; cpu seed spread (sd/sqrt(seeds)) {spread:.4f}", {"curves": curves}),
+             f"seed-averaged curves; {parted_text}; cpu seed spread (sd/sqrt(seeds)) {spread:.4f}",
+             {"curves": curves}),
             ("final reward difference", rew["final"], "recipe.final_reward",
              f"{rew['final_dut']:.4f} vs cpu {rew['final_ref']:.4f} (mean of the last {max(1, steps // 5)} steps)", {}),
             ("loss MAE", loss["mae"], "recipe.loss_mae", "seed-averaged loss/total curves", {}),
