@@ -81,6 +81,7 @@ def test_recipe_level_runs_polyrl_run_on_both_sides_and_compares_seed_averaged_c
     if backend.name == "cpu":  # two runs of the same command: identical curves
         assert all(r.error == 0.0 for r in rows)
         assert curves["per_seed"]["backend"] == curves["per_seed"]["cpu"]
+        assert curves["parted_at"] == [None, None] and "2/2 seeds with identical reward curves" in rows[0].detail
 
 
 def test_curve_statistics_measure_the_seed_averaged_difference():
