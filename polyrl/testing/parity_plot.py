@@ -40,12 +40,13 @@ def plot_recipe_curves(report: dict[str, Any], path: str | Path) -> Path:
         steps = curves["steps"]
         recipe = case.split(" ")[0]
         for ax, key in zip(ax_pair, ("reward", "loss")):
-            for side, color, name in (("cpu", "tab:blue", "cpu (float32)"), ("backend", "tab:orange", label)):
+            for side, color, name, style in (("cpu", "tab:blue", "cpu (float32)", "-"),
+                                             ("backend", "tab:orange", label, "--")):  # dashed: both show
                 for run in curves["per_seed"][side]:
                     ys = [float("nan") if y is None else y for y in run[key]][: len(steps)]
                     ax.plot(steps[: len(ys)], ys, color=color, alpha=0.2, linewidth=0.8)
                 mean = [float("nan") if y is None else y for y in curves["mean"][side][key]]
-                ax.plot(steps[: len(mean)], mean, color=color, linewidth=1.8,
+                ax.plot(steps[: len(mean)], mean, color=color, linewidth=1.8, linestyle=style,
                         label=f"{name}, mean of {len(curves['seeds'])} seeds")
             ax.set_xlabel("step")
             ax.set_ylabel("reward/mean" if key == "reward" else "loss/total")
