@@ -3,8 +3,10 @@
 Levels (docs/parity.md): ``op`` — varlen_attention forward and gradients on the conformance kit's cases
 (:data:`polyrl.testing.conformance.ATTENTION_CASES`, one list for both) against the fp64 oracle, judged
 exactly as the kit judges them; ``model`` — per-token logprobs of the tiny GPT-OSS and DeepSeek-V3 presets,
-packed, against the cpu backend's fp32 model; ``step``/``recipe`` need the trainer and are reported
-``not run`` with the reason until they are wired here.
+packed, against the cpu backend's fp32 model; ``step`` — one RL update of each tiny recipe on fixed rollouts
+against the same update on the cpu backend; ``recipe`` — N steps of each tiny recipe through ``polyrl run``,
+several seeds, seed-averaged reward and loss curves against the cpu backend's (both:
+:mod:`polyrl.testing.train_parity`).
 
 The dtype is the backend's own policy (``sharding_policy().param_dtype``: float32 for cpu, bfloat16 for the
 accelerators), unless the caller names one; every row states it. Every row carries the measured error next
@@ -25,8 +27,8 @@ PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
 REFERENCES: dict[str, str] = {
     "op": "the fp64 dense oracle, on the same inputs rounded to {dtype} (the conformance kit's cases and bars)",
     "model": "the cpu backend's float32 model on the same weights and tokens",
-    "step": "a cpu training step (not implemented yet)",
-    "recipe": "a cpu run of the recipe (not implemented yet)",
+    "step": "one update of each tiny recipe on the cpu backend (float32), same rollout, advantages and seeds",
+    "recipe": "`polyrl run` of each tiny recipe on the cpu backend (float32), same seeds, seed-averaged curves",
 }
 OnRow = Callable[["ParityRow"], None]
 
@@ -40,9 +42,13 @@ class ParityRow:
     bar: float | None = None
     detail: str = ""
     dtype: str = ""
+    extra: dict = dataclasses.field(default_factory=dict)  # level-specific data (the recipe level's curves)
 
     def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if not out["extra"]:
+            del out["extra"]
+        return out
 
 
 def backend_dtype(backend: Backend) -> str:
@@ -86,46 +92,50 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
 
     from polyrl.core import algorithms as A
     from polyrl.core.models import build_model
-    from polyrl.core.plugins.selection import get_active_backend, set_active_backend
+    from polyrl.core.plugins import list_backends
     from polyrl.core.tolerances import TOLERANCES, check_close
+    from polyrl.testing.train_parity import active_backend
 
     rows: list[ParityRow] = []
     emit = _emitter(rows, on_row)
     doc_lens = (9, 1, 40)
     positions = torch.cat([torch.arange(n) for n in doc_lens])[None]
-    previous = get_active_backend().name
-    try:
-        for preset in ("gpt_oss_tiny", "deepseek_v3_tiny"):
-            model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32,
-                                overrides={"sliding_window": 4} if preset.startswith("gpt_oss") else None)
-            ids = torch.randint(0, 32, (1, sum(doc_lens)), generator=torch.Generator().manual_seed(1))
-            labels = ids[:, 1:]
-            set_active_backend("cpu")
-            with torch.no_grad():
-                ref = A.logprobs_from_logits(model(input_ids=ids, position_ids=positions).logits[:, :-1], labels)
-            set_active_backend(backend.name)
-            dev = backend.device(0)
-            dut_model = model.to(dev, getattr(torch, dtype))
-            with torch.no_grad():
-                logits = dut_model(input_ids=ids.to(dev), position_ids=positions.to(dev)).logits[:, :-1]
-                got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
-            key = ("model.logprobs", dtype)
-            if key not in TOLERANCES:
-                emit(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
-                               detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
-                continue
-            err, bar, ok = check_close("model.logprobs", got, ref, dtype)
-            emit(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
-                           "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
-    finally:
-        set_active_backend(previous)
+    cpu = list_backends()["cpu"]
+    for preset in ("gpt_oss_tiny", "deepseek_v3_tiny"):
+        model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32,
+                            overrides={"sliding_window": 4} if preset.startswith("gpt_oss") else None)
+        ids = torch.randint(0, 32, (1, sum(doc_lens)), generator=torch.Generator().manual_seed(1))
+        labels = ids[:, 1:]
+        with active_backend(cpu), torch.no_grad():
+            ref = A.logprobs_from_logits(model(input_ids=ids, position_ids=positions).logits[:, :-1], labels)
+        dev = backend.device(0)
+        dut_model = model.to(dev, getattr(torch, dtype))
+        with active_backend(backend), torch.no_grad():
+            logits = dut_model(input_ids=ids.to(dev), position_ids=positions.to(dev)).logits[:, :-1]
+            got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
+        key = ("model.logprobs", dtype)
+        if key not in TOLERANCES:
+            emit(ParityRow("model", f"{preset} packed logprobs", NOT_RUN,
+                           detail=f"no tolerance for {key} in polyrl/core/tolerances.py", dtype=dtype))
+            continue
+        err, bar, ok = check_close("model.logprobs", got, ref, dtype)
+        emit(ParityRow("model", f"{preset} packed logprobs", PASS if ok else FAIL, err, bar,
+                       "" if ok else "logprobs differ from the cpu backend's fp32 model", dtype))
     return rows
 
 
 def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | None = None,
-               on_row: OnRow | None = None) -> list[ParityRow]:
-    """Rows of every level in ``levels``, in ``dtype`` (default: the backend's own, :func:`backend_dtype`);
-    ``on_row`` sees each row as it completes."""
+               on_row: OnRow | None = None, *, steps: int | None = None, seeds: tuple[int, ...] | None = None,
+               emulate: bool = False, jobs: int = 2, recipes: tuple[str, ...] | None = None) -> list[ParityRow]:
+    """Rows of every level in ``levels``, in ``dtype`` (default: the backend's own, :func:`backend_dtype`, for
+    ``op``/``model``; the recipe's own ``model.dtype`` for ``step``/``recipe``, which run the trainer as a
+    single-process ``polyrl run`` does); ``on_row`` sees each row as it completes. ``steps``/``seeds``: the
+    recipe level's run length and seeds; ``emulate``: the backend runs through its emulator (``--emulate``),
+    passed on to the recipe level's ``polyrl run``; ``jobs``: recipe-level runs at a time; ``recipes``: the
+    step and recipe levels' recipes (default: both tiny recipes)."""
+    from polyrl.testing import train_parity as T
+
+    explicit = dtype
     dtype = dtype or backend_dtype(backend)
     rows: list[ParityRow] = []
     emit = _emitter(rows, on_row)
@@ -135,10 +145,35 @@ def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | 
             emit(ParityRow(level, "all", NOT_RUN, detail=f"backend {backend.name} not available: {avail.reason}",
                            dtype=dtype))
         return rows
-    runners: dict[str, Callable[..., list[ParityRow]]] = {"op": op_parity, "model": model_parity}
     for level in levels:
-        if level in runners:
-            rows += runners[level](backend, dtype, on_row)
-        else:
-            emit(ParityRow(level, "all", NOT_RUN, detail=f"level {level!r} is not implemented yet", dtype=dtype))
+        if level == "op":
+            rows += op_parity(backend, dtype, on_row)
+        elif level == "model":
+            rows += model_parity(backend, dtype, on_row)
+        elif level == "step":
+            T.step_parity(backend, explicit, emit, recipes or T.TINY_RECIPES)
+        elif level == "recipe":
+            T.recipe_parity(backend, emit, steps=steps or T.DEFAULT_STEPS, seeds=seeds or T.DEFAULT_SEEDS,
+                            emulate=emulate, jobs=jobs, dtype=explicit, recipes=recipes or T.TINY_RECIPES)
     return rows
+
+
+def level_summary(rows: list[ParityRow], level: str) -> str:
+    """``pass`` when every row of ``level`` ran and passed, ``fail`` when any failed, else ``not run``."""
+    mine = [r for r in rows if r.level == level]
+    if any(r.status == FAIL for r in mine):
+        return FAIL
+    if mine and all(r.status == PASS for r in mine):
+        return PASS
+    return NOT_RUN
+
+
+def parity_report(backend: Backend, dtype: str, rows: list[ParityRow], levels: tuple[str, ...],
+                  emulated: bool = False) -> dict[str, object]:
+    """The ``--json`` object: what ran, then one key per level with its reference, summary status and rows."""
+    report: dict[str, object] = {"backend": backend.name, "origin": backend.origin(), "dtype": dtype,
+                                 "emulated": emulated}
+    for level in levels:
+        report[level] = {"reference": REFERENCES[level].format(dtype=dtype), "status": level_summary(rows, level),
+                         "rows": [r.as_dict() for r in rows if r.level == level]}
+    return report

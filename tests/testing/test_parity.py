@@ -53,7 +53,7 @@ def test_op_level_uses_the_backends_dtype_policy_and_says_so():
     assert all(r.status == PASS for r in rows), [r for r in rows if r.status != PASS]
     assert {r.bar for r in rows if r.case.endswith(": out")} == {tolerance("attention.forward", "bfloat16")}
     # An explicit dtype overrides the policy.
-    assert {r.dtype for r in run_parity(Bf16PolicyBackend(), ("recipe",), dtype="float16")} == {"float16"}
+    assert {r.dtype for r in run_parity(Bf16PolicyBackend(), ("model",), dtype="float16")} == {"float16"}
 
 
 def test_a_buggy_backend_fails_op_parity_on_sink_cases_naming_the_symptom():
@@ -64,17 +64,14 @@ def test_a_buggy_backend_fails_op_parity_on_sink_cases_naming_the_symptom():
     assert all(r.detail.startswith("output differs") for r in failed if r.case.endswith(": out"))
 
 
-def test_unimplemented_levels_are_not_run():
-    rows = run_parity(CpuBackend(), ("recipe",))
-    assert [r.status for r in rows] == [NOT_RUN]
-
-
 def test_cli_unavailable_backend_is_not_run_and_exits_1():
     proc = subprocess.run([sys.executable, "-m", "polyrl", "parity", "--backend", "cuda", "--json"],
                           capture_output=True, text=True)
     assert proc.returncode == 1
-    rows = json.loads(proc.stdout)["rows"]
-    assert rows and all(r["status"] == NOT_RUN for r in rows)
+    report = json.loads(proc.stdout)  # one object, a key per level
+    for level in ("op", "model", "step", "recipe"):
+        assert report[level]["status"] == NOT_RUN and report[level]["rows"]
+        assert all(r["status"] == NOT_RUN and "not available" in r["detail"] for r in report[level]["rows"])
 
 
 def test_cli_unknown_backend_exits_2():
@@ -85,19 +82,19 @@ def test_cli_unknown_backend_exits_2():
 
 def test_rows_are_reported_as_they_complete():
     seen = []
-    rows = run_parity(CpuBackend(), ("op", "step"), on_row=seen.append)
-    assert seen == rows and rows[-1].level == "step"
+    rows = run_parity(CpuBackend(), ("op", "model"), on_row=seen.append)
+    assert seen == rows and rows[-1].level == "model"
 
 
 def test_cli_states_the_dtype_and_references_and_prints_bars_to_two_digits(capsys):
     from polyrl.cli import main as polyrl_main
 
-    rc = polyrl_main(["parity", "--backend", "cpu", "--level", "op", "--level", "recipe", "--dtype", "bfloat16"])
+    rc = polyrl_main(["parity", "--backend", "cpu", "--level", "op", "--level", "model", "--dtype", "bfloat16"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
     assert out[0] == "parity of backend cpu (polyrl 0.1.0) in bfloat16 (given by --dtype)"
     assert out[1].split()[:3] == ["op", "compared", "against"] and "rounded to bfloat16" in out[1]
-    assert "recipe" in out[2] and "not implemented" in out[2]
+    assert out[2].split()[:4] == ["model", "compared", "against", "the"] and "float32 model" in out[2]
     first = out[3]
     assert first.startswith("[   pass] op") and "bar 6.8e-03" in first
-    assert any(line.startswith("[not run] recipe") for line in out)
+    assert any(line.startswith("[   pass] model") for line in out)
