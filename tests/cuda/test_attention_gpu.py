@@ -92,6 +92,7 @@ def test_gpu_kernels_with_extreme_sinks(lengths, hq, hkv, window, sink_value):
 VARIANTS = {
     "atomic": {"bwd": "atomic"},
     "band": {"window_tiles": "band"},
+    "aligned": {"window_tiles": "aligned"},
     "table": {"configs": "table"},
     "all": {"bwd": "atomic", "window_tiles": "band", "configs": "table"},
 }
@@ -103,6 +104,7 @@ VARIANT_CASES = [
                             ([1, 37, 300, 5], 16, 8, 64, 64, 3)]],
     ("atomic", *GPT_OSS, None), ("atomic", *GPT_OSS, 128), ("atomic", LENGTHS["ragged"], 4, 4, 192, 128, None),
     ("band", *GPT_OSS, 128), ("band", LENGTHS["ragged"], 6, 2, 64, 64, 1),
+    ("aligned", *GPT_OSS, 128),  # the former default, now opt-in
     ("table", *GPT_OSS, None), ("table", LENGTHS["ragged"], 4, 4, 192, 128, None),
 ]
 

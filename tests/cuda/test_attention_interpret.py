@@ -128,6 +128,7 @@ def _options(**kw):
 VARIANTS = {
     "atomic": {"bwd": "atomic"},
     "band": {"window_tiles": "band"},
+    "aligned": {"window_tiles": "aligned"},
     "table": {"configs": "table"},
     "all": {"bwd": "atomic", "window_tiles": "band", "configs": "table"},
 }
@@ -147,6 +148,8 @@ VARIANT_GRID = [
     ("atomic", [50, 31], 6, 2, 16, 16, 7, True, torch.float32),
     ("atomic", [64, 19], 4, 1, 16, 16, None, True, torch.float16),
     ("band", [50, 31], 6, 2, 16, 16, 7, True, torch.float32),
+    ("aligned", [50, 31], 6, 2, 16, 16, 7, True, torch.float32),  # the former default, now opt-in
+    ("aligned", [17, 1, 60], 8, 2, 16, 16, 1, True, torch.float32),
     ("band", [90], 2, 2, 32, 32, 33, False, torch.float32),
     ("table", [37, 29], 4, 2, 24, 8, 5, True, torch.float32),
 ]

@@ -12,14 +12,15 @@ Design choices:
 - Dv != D (DeepSeek MLA: 192 / 128): D and Dv are separate constexprs padded to powers of two with masked
   loads; see kernels/README.md for the cost of that route and the faster split it leaves open.
 
-Kernel paths (``KernelOptions``; each defaults to the first value, which is what ran on the H200 before, and
-can be set per call with ``options=`` or per process with an environment variable read at every call):
+Kernel paths (``KernelOptions``; each defaults to the first value — the fastest measured on an H200, 2026-11-30,
+docs/performance.md — and can be set per call with ``options=`` or per process with an environment variable
+read at every call):
 - ``bwd`` (``POLYRL_ATTN_BWD``): ``two_pass`` = deterministic dK/dV kernel + dQ kernel; ``atomic`` = one fused
   kernel adding dQ into an fp32 buffer with atomics (kernels/backward_fused.py): fewer matmuls, dQ and dsink
   not bitwise reproducible, one more fp32 [T, Hq, D] buffer.
-- ``window_tiles`` (``POLYRL_ATTN_WINDOW_TILES``): ``aligned`` = BLOCK_N-aligned key ranges split in masked
-  edge / interior / diagonal; ``band`` = for windows up to ``BAND_MAX_WINDOW``, one masked loop over the exact
-  band (kernels/bounds.py).
+- ``window_tiles`` (``POLYRL_ATTN_WINDOW_TILES``): ``band`` = for windows up to ``BAND_MAX_WINDOW``, one masked
+  loop over the exact band (kernels/bounds.py; window 128 at 16k tokens: 0.31 / 1.21 ms fwd / fwd+bwd against
+  0.36 / 1.36); ``aligned`` = BLOCK_N-aligned key ranges split in masked edge / interior / diagonal.
 - ``configs`` (``POLYRL_ATTN_CONFIGS``): ``first`` = each kernel's first Hopper candidate; ``table`` = the
   per-head-dim table of kernels/configs.py, and q tiles launched heaviest first (forward, dQ).
   ``POLYRL_TRITON_AUTOTUNE=1`` searches whichever list is active.
@@ -46,7 +47,7 @@ BAND_MAX_WINDOW = 256
 # option field -> (environment variable, allowed values; the first is the default)
 OPTION_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
     "bwd": ("POLYRL_ATTN_BWD", ("two_pass", "atomic")),
-    "window_tiles": ("POLYRL_ATTN_WINDOW_TILES", ("aligned", "band")),
+    "window_tiles": ("POLYRL_ATTN_WINDOW_TILES", ("band", "aligned")),
     "configs": ("POLYRL_ATTN_CONFIGS", ("first", "table")),
 }
 
@@ -56,7 +57,7 @@ class KernelOptions:
     """Which kernel path runs (module docstring). Unknown values are refused with the field's name."""
 
     bwd: str = "two_pass"
-    window_tiles: str = "aligned"
+    window_tiles: str = "band"
     configs: str = "first"
 
     def __post_init__(self) -> None:
