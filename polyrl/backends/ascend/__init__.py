@@ -37,6 +37,8 @@ class AscendBackend(Backend):
     collective_backend = "hccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
     is_accelerator = True
+    # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
+    device_memory_table = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)

@@ -61,13 +61,16 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
     from polyrl.core.models import build_model
 
     try:
-        return build_model(
+        model = build_model(
             name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
             experts_implementation=cfg.model.experts_implementation,
             dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None
+    if cfg.trainer.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 @dataclasses.dataclass
