@@ -372,6 +372,8 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         "update": static + rows["gathered layers (FSDP2)"] + rows["activations (one micro-batch)"]
         + rows["log-prob path (logits)"],
     }
+    # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq)
+    phases["optimizer step"] = static + rows["parameters"]
     if critic_cfg is not None:
         phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"]
     return MemoryPlan(
