@@ -1,5 +1,8 @@
 """``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--dry-run] [key.path=value ...]``
 
+``--dry-run [--nnodes M] [--json] [--device-memory GIB]`` validates and prints the memory plan instead
+(:mod:`polyrl.cli.dry_run`).
+
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
 raises ``BadInputError`` on the way and the CLI front prints one line and exits 2. Only then is the run
@@ -86,6 +89,11 @@ def main(args: argparse.Namespace) -> int:
     if args.backend is not None:
         overrides.append(f"backend.name={args.backend}")
     cfg = load_config(args.recipe, overrides)
+    if not args.dry_run and (args.nnodes != 1 or args.json or args.device_memory is not None):
+        from polyrl.core.errors import BadInputError
+
+        raise BadInputError("--nnodes, --json and --device-memory go with --dry-run (a multi-node run is started "
+                            "by torchrun on each node: docs/distributed.md)")
     if args.dry_run:
         from polyrl.cli.dry_run import dry_run
 

@@ -10,8 +10,8 @@ import torch
 
 from polyrl.cli import main as polyrl_main
 from polyrl.core.config import load_config
-from polyrl.core.plugins.selection import reset_active_backend
 from polyrl.core.plugins.registry import get_registry
+from polyrl.core.plugins.selection import reset_active_backend
 from polyrl.core.run.plan import activation_bytes_per_token, count_parameters, plan_memory
 from polyrl.core.tolerances import MEMORY_PLAN_ACTIVATIONS_RTOL
 
@@ -92,8 +92,8 @@ def test_device_memory_override_and_ascend_table(cli):
     rc, out, _ = cli("recipes/gpt_oss_dapo.yaml", "--dry-run", "--backend", "ascend", "--nproc", "16", "--json")
     plan = json.loads(out)["memory_plan"]
     assert plan["device"] == "910B" and plan["device_memory_gib"] == 64.0 and rc == (0 if plan["fits"] else 2)
-    rc, out, err = cli("recipes/gpt_oss_dapo.yaml", "--dry-run", "--backend", "cuda", "--nproc", "8",
-                       "--device-memory", "40", "--json")
+    rc, out, _ = cli("recipes/gpt_oss_dapo.yaml", "--dry-run", "--backend", "cuda", "--nproc", "8",
+                     "--device-memory", "40", "--json")
     assert rc == 2 and json.loads(out)["memory_plan"]["device_memory_gib"] == 40.0
 
 
@@ -167,3 +167,25 @@ def test_activation_checkpointing_keeps_fewer_saved_tensors():
     ckpt = _build_lm("gpt_oss_tiny", cfg, None, {}, 0).train()
     assert ckpt.is_gradient_checkpointing and not plain.is_gradient_checkpointing
     assert _saved_bytes_per_token(ckpt, 64) < 0.5 * _saved_bytes_per_token(plain, 64)
+
+
+def test_a_run_refuses_the_missing_checkpoint_and_dry_run_only_flags(cli, tmp_path):
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"prompt": "What is 6 * 7?", "answer": "42"}\n')
+    rc, _, err = cli("recipes/gpt_oss_dapo.yaml", "--backend", "cpu", f"data.path={data}", "data.answer_key=answer")
+    assert rc == 2 and err.strip().splitlines()[-1].startswith(
+        "polyrl run: error: model.name: 'checkpoints/gpt-oss-20b-bf16' is not a local directory")
+    assert not (tmp_path / "runs").exists()
+    rc, _, err = cli("recipes/gpt_oss_dapo_tiny.yaml", "--nnodes", "2")
+    assert rc == 2 and "go with --dry-run" in err
+
+
+def test_the_architecture_of_a_local_checkpoint_directory(cli, tmp_path):
+    from polyrl.core.models import model_config
+
+    ckpt = tmp_path / "ckpt"
+    model_config("gpt_oss_tiny", num_hidden_layers=4).save_pretrained(ckpt)  # config.json only: the plan needs no weights
+    rc, out, err = cli("recipes/gpt_oss_dapo_tiny.yaml", "--dry-run", f"model.name={ckpt}", "--json")
+    assert rc == 0, err
+    plan = json.loads(out)["memory_plan"]
+    assert plan["notes"][0] == f"architecture from checkpoint {ckpt}" and "4 layers" in plan["architecture"]

@@ -12,7 +12,7 @@ import glob
 import importlib.util
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
@@ -38,7 +38,7 @@ class AscendBackend(Backend):
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
     is_accelerator = True
     # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
-    device_memory_table = {"910B": 64.0, "910B4": 32.0}
+    device_memory_table: ClassVar[dict[str, float]] = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)

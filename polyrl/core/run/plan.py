@@ -116,15 +116,16 @@ def _layer_types(config: Any) -> list[str]:
 def activation_bytes_per_token(config: Any, kind: str, c: int, native_attention: bool) -> float:
     """Bytes saved for backward per token by one decoder layer of ``kind`` with compute dtype of ``c`` bytes.
 
-    Coefficients measured on the CPU (module docstring). The attention's saved output and its fp32 copy of q
+    Coefficients measured on the CPU (module docstring) for GPT-OSS and DeepSeek-V3; other architectures get a
+    generic dense-decoder estimate (not measured). The attention's saved output and its fp32 copy of q
     (GPT-OSS) / v (DeepSeek-V3) are fp32 in the exact reference and in the compute dtype in a native kernel.
     """
     H = config.hidden_size
     Hq = config.num_attention_heads
     attn_big = (c if native_attention else 4) * 2  # bytes per element of the two [T, Hq, Dv] tensors
     if config.model_type == "gpt_oss":
-        D, Hkv, k, I = config.head_dim, config.num_key_value_heads, config.num_experts_per_tok, config.intermediate_size
-        elems = 2 * H + 2 * k * H + 7 * k * I + 2 * Hkv * D + 43
+        D, Hkv, k, inter = config.head_dim, config.num_key_value_heads, config.num_experts_per_tok, config.intermediate_size
+        elems = 2 * H + 2 * k * H + 7 * k * inter + 2 * Hkv * D + 43
         fp32 = 16 * H + 2 * Hq + 131
         return c * elems + fp32 + attn_big * Hq * D
     if config.model_type == "deepseek_v3":
@@ -140,7 +141,11 @@ def activation_bytes_per_token(config: Any, kind: str, c: int, native_attention:
             elems = 2 * H + 2 * k * H + 4 * k * mI + 4 * s * mI + 100
             fp32 = 15 * H + 16 * config.n_routed_experts + 6 * Hq
         return c * (elems + attn_elems) + fp32 + attn_fp32
-    raise BadInputError(f"model: no memory model for architecture {config.model_type!r} (gpt_oss, deepseek_v3)")
+    # Any other decoder (Llama-like, dense SwiGLU): the DeepSeek-V3 dense layer's MLP and norms, a GQA attention.
+    D = getattr(config, "head_dim", None) or H // Hq
+    Hkv = getattr(config, "num_key_value_heads", None) or Hq
+    elems = 4 * H + 4 * config.intermediate_size + 2 * Hq * D + 2 * Hkv * D + 64
+    return c * elems + 8 * H + 4 * Hq + attn_big * Hq * D
 
 
 def kv_cache_bytes_per_token(config: Any, c: int) -> list[tuple[str, float]]:
@@ -149,7 +154,9 @@ def kv_cache_bytes_per_token(config: Any, c: int) -> list[tuple[str, float]]:
     if config.model_type == "deepseek_v3":
         per = c * config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
     else:
-        per = c * 2 * config.num_key_value_heads * config.head_dim
+        Hq = config.num_attention_heads
+        D = getattr(config, "head_dim", None) or config.hidden_size // Hq
+        per = c * 2 * (getattr(config, "num_key_value_heads", None) or Hq) * D
     return [(kind, per) for kind in _layer_types(config)]
 
 
@@ -277,6 +284,8 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     actor = count_parameters(config)
     alg, ro, data = cfg.algorithm, cfg.rollout, cfg.data
     notes = [f"architecture from {source}"] if not source.startswith("model.name") else [source]
+    if config.model_type not in ("gpt_oss", "deepseek_v3"):
+        notes.append(f"activations of {config.model_type}: a generic dense-decoder estimate (not measured)")
 
     def share(n: int) -> float:
         return math.ceil(n / world) if sharded else n

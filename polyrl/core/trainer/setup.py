@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -49,6 +50,10 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
 
         return build_tiny_tokenizer(symbols)
     source = cfg.model.tokenizer or cfg.model.name
+    if not os.path.isdir(source):  # never the hub: a name that is not a local directory would be downloaded
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.name"
+        raise BadInputError(f"{key}: {source!r} is not a local directory; this task needs the checkpoint's "
+                            "tokenizer (polyrl never downloads: set it to the checkpoint directory)")
     try:
         from transformers import AutoTokenizer
 
