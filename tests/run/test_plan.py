@@ -98,14 +98,15 @@ def test_device_memory_override_and_ascend_table(cli):
 
 
 def test_sharding_divides_the_state_and_the_fused_flag_shrinks_logits():
-    cfg = load_config("gpt_oss_dapo")
+    cfg = load_config("gpt_oss_dapo", ["model.fused_logprobs=false"])
     cuda = get_registry().backends["cuda"]
     one, eight = plan_memory(cfg, cuda, nproc=1), plan_memory(cfg, cuda, nproc=8)
     assert eight.rows["optimizer state (2 Adam states)"] == pytest.approx(one.rows["optimizer state (2 Adam states)"] / 8,
                                                                            rel=1e-3)
     assert eight.rows["gathered layers (FSDP2)"] > 0 == one.rows["gathered layers (FSDP2)"]
-    cfg.trainer.fused_logprobs = True  # the flag the fused op's recipe key is looked up by
+    cfg.model.fused_logprobs = "auto"  # the default: GPT-OSS's nn.Linear lm_head allows the fused op
     fused = plan_memory(cfg, cuda, nproc=8)
+    assert "fused" in fused.logprob_path and "full logits" in eight.logprob_path
     assert fused.rows["log-prob path (logits)"] < eight.rows["log-prob path (logits)"] / 10
 
 

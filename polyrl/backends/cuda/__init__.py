@@ -1,4 +1,5 @@
-"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL (rollout: the hf engine for now).
+"""The cuda backend: Triton varlen attention with sinks/window/GQA, the fused lm_head log-prob op, NCCL
+(rollout: the hf engine for now).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -26,6 +27,9 @@ class CudaBackend(Backend):
     # GiB per device for the dry-run memory plan (the nominal HBM of each model; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"H100-80GB": 80.0, "A100-80GB": 80.0, "H200": 141.0, "A100-40GB": 40.0, "L40S": 48.0}
     attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
+    # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
+    # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
+    linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)
 

@@ -11,7 +11,7 @@ gradients (same), Adam(W)'s two states (same dtype as the parameters: torch keep
 the gathered layers (FSDP2 holds the root unit — embeddings, LM head — and two decoder layers unsharded in
 the backend's compute dtype while they run), the reference model (KL) and the critic (GAE), activations
 saved for backward at the token budget of one micro-batch, the log-prob path (full [T, V] logits, or the
-fused op's [chunk, V] blocks), and the rollout: its KV cache and its prefill logits.
+fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: its KV cache and its prefill logits.
 
 Activation bytes per token and layer are linear in the architecture's dimensions; the coefficients below were
 measured on the CPU (saved-tensor hooks over one decoder layer, bf16 and fp32, several widths; the test
@@ -33,9 +33,6 @@ GIB = 2**30
 # Fraction of a device's memory the plan lets a run use: the rest is the runtime's context, the collective
 # library's buffers and allocator fragmentation.
 HEADROOM = 0.90
-# The recipe flag of the fused lm_head + log-prob op ([chunk, V] blocks instead of [T, V] logits), looked up by
-# name so the plan follows the trainer once the flag exists; absent = full logits are counted.
-FUSED_LOGPROB_FLAG = ("trainer", "fused_logprobs")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -238,22 +235,13 @@ _KNOB = {
     "activations (one micro-batch)": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens"
                                      " (a sequence longer than the budget is a micro-batch of its own)",
     "critic activations": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens",
-    "log-prob path (logits)": "lower algorithm.micro_batch_tokens or turn on the fused log-prob op",
+    "log-prob path (logits)": "set model.fused_logprobs=auto or lower algorithm.micro_batch_tokens",
     "rollout KV cache": "set rollout.micro_batch_size",
     "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
     "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; a layer that does not fit gathered "
                                "needs expert/tensor parallelism, which polyrl does not have yet",
     "reference model": "turn the KL terms off or add devices",
 }
-
-
-def _flag(cfg: RunConfig, path: tuple[str, ...]) -> bool | None:
-    node: Any = cfg
-    for part in path:
-        node = getattr(node, part, None)
-        if node is None:
-            return None
-    return bool(node)
 
 
 def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1,
@@ -344,17 +332,20 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     V = config.vocab_size
     response_tokens = tokens * ro.max_response_length / longest
     chunk = cfg.trainer.logprob_chunk_size
-    fused = _flag(cfg, FUSED_LOGPROB_FLAG)
+    # model.fused_logprobs: "auto" fuses wherever the model allows it (GPT-OSS and DeepSeek-V3 do)
+    fused = cfg.model.fused_logprobs is True or cfg.model.fused_logprobs == "auto"
     if fused:
-        logits = 2 * chunk * V * 4
-        logprob_path = f"fused lm_head + log-prob ([{chunk}, V] fp32 blocks)"
+        from polyrl.core.algorithms.linear_logprobs import vocab_chunk_for
+
+        vchunk = vocab_chunk_for(chunk, V, None)
+        # one fp32 [chunk, vocab chunk] tile in forward and one in backward, and backward's fp32 dW block
+        logits = 2 * chunk * vchunk * 4 + vchunk * config.hidden_size * 4
+        logprob_path = f"fused lm_head + log-prob (fp32 [{chunk}, {vchunk}] tiles, no [T, V] logits)"
     else:
         # forward: [T, V] logits; the chunked log-prob keeps the response rows [N, V]; backward adds their
         # gradient and the [T, V] gradient of the logits, plus one fp32 [chunk, V] block
         logits = (tokens * V + 2 * response_tokens * V) * c + chunk * V * 4
         logprob_path = f"full logits [T, V] + chunked fp32 log-prob ({chunk} rows)"
-        if fused is None:
-            notes.append(f"no {'.'.join(FUSED_LOGPROB_FLAG)} flag in this version: full logits counted")
     rows["activations (one micro-batch)"] = act / GIB
     rows["log-prob path (logits)"] = logits / GIB
     if critic_cfg is not None:  # the critic's update runs before the actor's: its own activations, no logits

@@ -21,6 +21,7 @@ import torch
 from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
+from polyrl.core.models.lm_head import fused_kernel_for
 from polyrl.core.rollout import build_engine
 from polyrl.core.trainer.batch import SequenceBatch, forward_all, policy_forward, value_forward
 from polyrl.core.trainer.experience import Rollout, TrainingAborted, collect_experience, sampling_params
@@ -73,7 +74,10 @@ class Trainer:
             task_rng=self.state.task_rng, device=self.device,
         )
         m, c = self.models, self.state.counters
-        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs)
+        # model.fused_logprobs: the backend's fused lm_head + log-prob kernel (no [T, V] logits), or None
+        self.fused = fused_kernel_for(cfg.model.fused_logprobs, m.actor, backend)
+        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs,
+                             self.fused)
         self.critic = Learner(m.critic, m.critic_optimizer, self.state.shuffle_gen, c, packed, pad_id) if m.critic else None
 
     # --- the step ----------------------------------------------------------------------------------
@@ -119,7 +123,8 @@ class Trainer:
         mask = batch.mask
         fw = self._forward_kwargs()
         lp = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size,
-                  logprobs=self.backend.logprobs)  # the backend's log-prob kernel (reference by default)
+                  logprobs=self.backend.logprobs,  # the backend's log-prob kernel (reference by default)
+                  linear_logprobs=self.fused)
         # 3. old log-probs (the trainer's view of the behaviour policy), reference, critic values
         ent = torch.zeros_like(mask)
 
