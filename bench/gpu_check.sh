@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # The one GPU check: run it on a CUDA machine (an H200 here) from the repository root, after any change to code
-# that runs on a GPU (trainer, rollout, kernels, sharding). About 10 minutes on one H200:
-#   1. the GPU tests (tests/cuda -m gpu: kernels vs the fp64 oracle, the trainer on cuda: DAPO, PPO, resume, export)
+# that runs on a GPU (trainer, rollout, kernels, sharding). All steps take about 12 minutes on one H200:
+#   1. the GPU tests (tests/cuda -m gpu: kernels vs the fp64 oracle, every attention kernel path, the fused
+#      lm_head log-prob kernel, the trainer on cuda: DAPO, PPO, resume, export), $GPU_TEST_WORKERS at a time
 #   2. start-up and step profile of the tiny DAPO recipe, twice (the second run is "a machine that has run it once")
-#   3. both tiny recipes through `polyrl run --backend cuda`, seeds 0 1 2 (bench/recipe_tiny.py; bars 30 s / 45 s)
-#   4. `polyrl parity --backend cuda`
+#   3. both tiny recipes through `polyrl run --backend cuda`, seeds $GPU_CHECK_SEEDS (bench/recipe_tiny.py)
+#   4. `polyrl parity --backend cuda`, all four levels (recipe level: $GPU_PARITY_STEPS steps, seeds $GPU_PARITY_SEEDS),
+#      JSON report and the recipe-level curves as a PNG
 #   5. a quick attention benchmark beside the peers installed on the machine (FA4, FLA, flex, SDPA)
+#   6. the fused lm_head + log-prob benchmark at GPT-OSS-20B width beside Liger / Cut Cross-Entropy when installed
+#   7. with two or more GPUs: one GPU against two (bench/two_gpu.py: curves, step time, memory, SIGKILL drill)
+#   8. the memory plan against a measured run: the 2-layer GPT-OSS-20B-width recipe (bench/plan_check.py)
 # Writes everything under ${GPU_CHECK_OUT:-gpu_check_out}/ and prints a summary; exit 1 if a step failed.
 #
 #   bash bench/gpu_check.sh            # all steps
@@ -13,7 +18,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
-STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5"}
+STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5 6 7 8"}
+SEEDS=${GPU_CHECK_SEEDS:-"0 1 2"}
+WORKERS=${GPU_TEST_WORKERS:-3}  # pytest-xdist processes sharing the GPU: Triton compiles in parallel (8 ran out of memory)
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
@@ -37,19 +44,41 @@ print(f"gpu {torch.cuda.get_device_name(0)}; torch {torch.__version__}; cuda {to
       f"{triton.__version__}; transformers {transformers.__version__}; python {platform.python_version()}")
 EOF
 
-want 1 && step gpu_tests $PY -m pytest tests/cuda -m gpu -q -p no:cacheprovider
+if want 1; then
+  if $PY -c "import xdist" 2>/dev/null && [[ $WORKERS -gt 1 ]]; then
+    step gpu_tests $PY -m pytest tests/cuda -m gpu -q -p no:cacheprovider -n "$WORKERS"
+  else
+    step gpu_tests $PY -m pytest tests/cuda -m gpu -q -p no:cacheprovider
+  fi
+fi
 if want 2; then
   step profile_cold $PY bench/profile_step.py recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 20 \
     --profile-steps 2 --out "$OUT/profile_cold.json"
   step profile_warm $PY bench/profile_step.py recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 5 \
     --profile-steps 0 --out "$OUT/profile_warm.json"
 fi
-want 3 && step recipes $PY bench/recipe_tiny.py --backend cuda --out "$OUT/recipe_tiny_cuda.json"
-want 4 && step parity $PY -m polyrl parity --backend cuda
+# shellcheck disable=SC2086
+want 3 && step recipes $PY bench/recipe_tiny.py --backend cuda --seeds $SEEDS --jobs "${GPU_CHECK_JOBS:-1}" --out "$OUT/recipe_tiny_cuda.json"
+if want 4; then
+  plot=()
+  $PY -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/parity_recipe_cuda.png")
+  step parity $PY -m polyrl parity --backend cuda --steps "${GPU_PARITY_STEPS:-40}" --seeds "${GPU_PARITY_SEEDS:-0,1}" \
+    --jobs 8 --output "$OUT/parity_cuda.json" "${plot[@]}"
+fi
 want 5 && step attention $PY bench/attention.py --quick --out "$OUT/attention_quick.json"
+want 6 && step logprob_linear $PY bench/logprob_linear.py --out "$OUT/logprob_linear.json"
+ngpu=$($PY -c "import torch; print(torch.cuda.device_count())")
+if want 7 && [[ $ngpu -ge 2 ]]; then
+  step two_gpu $PY bench/two_gpu.py --recipes gpt_oss_dapo_tiny --no-profile --set trainer.total_steps=40 \
+    --out "$OUT/two_gpu.json"
+elif want 7; then
+  echo "=== two_gpu: not run: $ngpu GPU(s) on this machine" | tee -a "$OUT/not_run.txt"
+fi
+want 8 && step plan_check $PY bench/plan_check.py --out "$OUT/plan_check.json"
 
 echo "=== summary"
 for s in "${status[@]}"; do echo "$s"; done | tee "$OUT/summary.txt"
+cat "$OUT/not_run.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 grep -h "start-up" "$OUT"/profile_*.log 2>/dev/null | tee -a "$OUT/summary.txt"
 grep -hE "^(gpt_oss|deepseek)" "$OUT/recipes.log" 2>/dev/null | tee -a "$OUT/summary.txt"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | tee -a "$OUT/summary.txt"

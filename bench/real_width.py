@@ -26,6 +26,9 @@ def overrides(layers: int, steps: int) -> list[str]:
     types = ", ".join(["sliding_attention", "full_attention"] * (layers // 2) + ["sliding_attention"] * (layers % 2))
     return [
         f"model.overrides={{num_hidden_layers: {layers}, layer_types: [{types}]}}",
+        # the recipe's checkpoint directory, chat prompts and 80 GB sizing are not what this measures
+        "model.name=gpt_oss_20b", "data.prompt_format=raw", "rollout.micro_batch_size=0",
+        "trainer.activation_checkpointing=false", "algorithm.micro_batch_tokens=32768",
         "data.task=copy", "data.task_params={k: 3, n_digits: 5}", "data.path=null", "data.max_prompt_length=64",
         "data.batch_size=16", "rollout.n=16", "rollout.max_response_length=128", "algorithm.overlong.buffer_length=32",
         # a random-init model never answers exactly: accuracy-based dynamic sampling would filter every group

@@ -1,5 +1,8 @@
 """``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--resume-from step_N] [--dry-run] [--emulate] [key.path=value ...]``
 
+``--dry-run [--nnodes M] [--json] [--device-memory GIB]`` validates and prints the memory plan instead
+(:mod:`polyrl.cli.dry_run`).
+
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
 raises ``BadInputError`` on the way and the CLI front prints one line and exits 2. Only then is the run
@@ -37,7 +40,12 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, help="run directory (default: runs/<recipe>-<time>); reused = resume")
     p.add_argument("--seed", type=int, default=None, help="seed of every random source (= trainer.seed=N)")
     p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun, FSDP2)")
-    p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; run nothing")
+    p.add_argument("--nnodes", type=int, default=1, help="nodes of --nproc processes each (the --dry-run plan)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate, print the resolved config and the per-device memory plan; run nothing")
+    p.add_argument("--json", action="store_true", help="with --dry-run: one JSON object {config, memory_plan}")
+    p.add_argument("--device-memory", type=float, default=None, metavar="GIB",
+                   help="with --dry-run: memory of one device (default: the backend's table)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--resume-from", default=None, metavar="step_N",
                    help="resume from this checkpoint of --output (step_N, N, or its path) instead of the newest; "
@@ -93,20 +101,19 @@ def main(args: argparse.Namespace) -> int:
     if args.backend is not None:
         overrides.append(f"backend.name={args.backend}")
     cfg = load_config(args.recipe, overrides)
+    if not args.dry_run and (args.nnodes != 1 or args.json or args.device_memory is not None):
+        from polyrl.core.errors import BadInputError
+
+        raise BadInputError("--nnodes, --json and --device-memory go with --dry-run (a multi-node run is started "
+                            "by torchrun on each node: docs/distributed.md)")
+    if args.dry_run:
+        from polyrl.cli.dry_run import dry_run
+
+        return dry_run(cfg, nproc=args.nproc, nnodes=args.nnodes, as_json=args.json, device_memory_gib=args.device_memory)
     backend = set_active_backend(cfg.backend.name)
     if cfg.backend.name is None:
         cfg.backend.name = backend.name  # the resolved config names what actually ran
     config_yaml = dump_config(cfg)
-    if args.dry_run:
-        from polyrl.core.trainer.setup import build_task, check_config
-
-        check_config(cfg)
-        if cfg.data.path is not None and not Path(cfg.data.path).exists():  # inspect a recipe before the download
-            print(f"polyrl run: data.path {cfg.data.path}: not checked: file absent", file=sys.stderr)
-        else:
-            build_task(cfg)  # the data file and its rows are validated too
-        sys.stdout.write(config_yaml)
-        return 0
     if args.nproc > 1 and not D.under_torchrun():
         return _launch(args, cfg, backend)
     return _train(args, cfg, backend, config_yaml)

@@ -351,11 +351,14 @@ def test_dry_run_of_a_full_recipe_without_its_data_file(cli, tmp_path, monkeypat
     import yaml
 
     monkeypatch.chdir(tmp_path)  # data/dapo-math-17k.parquet does not exist here
-    rc, out, err = cli("run", "recipes/gpt_oss_dapo.yaml", "--dry-run", "optimizer.lr=2e-6")
+    # planned for the 8 GPUs it is sized for, on this machine without them (the backend's hardware is not needed)
+    rc, out, err = cli("run", "recipes/gpt_oss_dapo.yaml", "--dry-run", "--backend", "cuda", "--nproc", "8",
+                       "optimizer.lr=2e-6")
     assert rc == 0, err
     resolved = yaml.safe_load(out)
     assert resolved["data"]["path"] == "data/dapo-math-17k.parquet" and resolved["optimizer"]["lr"] == 2e-6
-    assert resolved["backend"]["name"] == "cpu"
+    assert resolved["backend"]["name"] == "cuda"
+    assert "# memory plan: cuda" in out and ": fits" in out
     assert err.strip() == "polyrl run: data.path data/dapo-math-17k.parquet: not checked: file absent"
     assert not any(tmp_path.iterdir())  # nothing written
     # The rest is still validated: a bad key exits 2 with one line.

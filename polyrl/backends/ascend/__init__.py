@@ -21,7 +21,7 @@ import importlib.util
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
@@ -52,6 +52,8 @@ class AscendBackend(Backend):
     name = "ascend"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
     is_accelerator = True
+    # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
+    device_memory_table: ClassVar[dict[str, float]] = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
     # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
     rollout_engines = ("hf",)

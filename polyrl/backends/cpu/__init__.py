@@ -46,6 +46,13 @@ class CpuBackend(Backend):
     def process_group_options(self, local_rank: int = 0) -> dict[str, Any]:
         return {}  # gloo binds no device
 
+    def device_memory_gib(self, model: str | None = None, *, local_world_size: int = 1) -> tuple[str, float]:
+        """The host's physical memory shared by the node's processes (the memory plan's device)."""
+        import os
+
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return "host memory", total / max(1, local_world_size)
+
     def device_rng_state(self) -> Any:
         return None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
@@ -24,6 +24,8 @@ class CudaBackend(Backend):
     collective_backend = "nccl"
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
     is_accelerator = True
+    # GiB per device for the dry-run memory plan (the nominal HBM of each model; the first is the default).
+    device_memory_table: ClassVar[dict[str, float]] = {"H100-80GB": 80.0, "A100-80GB": 80.0, "H200": 141.0, "A100-40GB": 40.0, "L40S": 48.0}
     attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
     # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
     # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.

@@ -35,6 +35,9 @@ class ModelConfig:
     critic_overrides: dict[str, Any] = field(default_factory=dict)
     # Tokenizer: None = the checkpoint's own, or the task's tiny vocabulary for synthetic tasks.
     tokenizer: str | None = None
+    # The preset describing model.name's architecture, for `polyrl run --dry-run` before the checkpoint is
+    # there (the memory plan builds the model on the meta device from it). Never used to train.
+    preset: str | None = None
 
 
 @dataclass
@@ -47,6 +50,9 @@ class DataConfig:
     path: str | None = None
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    # "raw": the prompt text as is; "chat": the model's chat format (the tokenizer's template, else Harmony's
+    # layout; polyrl.core.models.chat).
+    prompt_format: Literal["raw", "chat"] = "raw"
     max_prompt_length: int = 1024
     # Prompts per training step (before the rollout's n samples each).
     batch_size: int = 16
@@ -150,6 +156,9 @@ class TrainerConfig:
     # CPU threads for torch (0 = leave torch's default).
     num_threads: int = 0
     logprob_chunk_size: int = 1024
+    # Recompute each decoder layer in backward (transformers' gradient checkpointing, non-reentrant): only the
+    # layers' inputs stay saved, so the activations of a long micro-batch fit at the cost of one more forward.
+    activation_checkpointing: bool = False
     progress_bar: bool = True
 
 

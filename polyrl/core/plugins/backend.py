@@ -192,6 +192,10 @@ class Backend:
     # polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy (the default: that chunked reference).
     linear_logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["linear_logprobs"]
 
+    # Memory of one device in GiB by device model, for the dry-run memory plan (read without the hardware; the
+    # first entry is the model assumed when none is named). ``polyrl run --dry-run --device-memory GIB`` overrides.
+    device_memory_table: ClassVar[dict[str, float]] = {}
+
     # Filled in by the plugin manager: the distribution the backend came from.
     distribution: str = ""
     version: str = ""
@@ -327,6 +331,21 @@ class Backend:
         peak = module.max_memory_allocated() / 2**30
         module.reset_peak_memory_stats()
         return {"memory/peak_gib": peak}
+
+    def device_memory_gib(self, model: str | None = None, *, local_world_size: int = 1) -> tuple[str, float]:
+        """(device model, GiB of memory of one device) from ``device_memory_table``, without touching a device.
+        ``model`` None: the table's first entry. ``local_world_size``: processes per node (a backend whose
+        processes share one memory, as the cpu backend's, divides by it)."""
+        from polyrl.core.errors import BadInputError
+
+        table = self.device_memory_table
+        if not table:
+            raise BadInputError(f"backend {self.name!r} declares no device memory; give it with --device-memory GIB")
+        if model is None:
+            model = next(iter(table))
+        if model not in table:
+            raise BadInputError(f"backend {self.name!r}: unknown device {model!r} (known: {', '.join(table)})")
+        return model, float(table[model])
 
     # --- compatibility ---------------------------------------------------------------------------
     def compatibility(self) -> Compatibility:

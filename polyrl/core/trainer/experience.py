@@ -19,6 +19,7 @@ import torch
 from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
+from polyrl.core.models.chat import encode_prompt
 from polyrl.core.rewards import score_batch
 from polyrl.core.rollout import SamplingParams
 from polyrl.core.trainer.batch import SequenceBatch
@@ -56,10 +57,6 @@ class Experience:
     reward_timeouts: int = 0
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    bos = tokenizer.bos_token_id
-    return ([bos] if bos is not None else []) + list(ids)
 
 
 def decode_response(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:
@@ -85,7 +82,7 @@ def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: 
     prompts = []
     truncated = 0
     for ex in examples:
-        ids = encode_prompt(tok, ex.prompt)
+        ids = encode_prompt(tok, ex.prompt, fmt=cfg.data.prompt_format, meta=ex.meta)
         if len(ids) > cfg.data.max_prompt_length:  # keep the end: the question is usually last
             ids, truncated = ids[-cfg.data.max_prompt_length :], truncated + 1
         prompts.append(ids)

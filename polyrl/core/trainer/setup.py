@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -49,6 +50,10 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
 
         return build_tiny_tokenizer(symbols)
     source = cfg.model.tokenizer or cfg.model.name
+    if not os.path.isdir(source):  # never the hub: a name that is not a local directory would be downloaded
+        key = "model.tokenizer" if cfg.model.tokenizer else "model.name"
+        raise BadInputError(f"{key}: {source!r} is not a local directory; this task needs the checkpoint's "
+                            "tokenizer (polyrl never downloads: set it to the checkpoint directory)")
     try:
         from transformers import AutoTokenizer
 
@@ -61,13 +66,16 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
     from polyrl.core.models import build_model
 
     try:
-        return build_model(
+        model = build_model(
             name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
             experts_implementation=cfg.model.experts_implementation,
             dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None
+    if cfg.trainer.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 @dataclasses.dataclass

@@ -1,0 +1,385 @@
+"""The memory plan of a run: what one device holds, counted from the recipe before anything runs.
+
+``polyrl run RECIPE --dry-run`` calls :func:`plan_memory`. It never touches a device and never downloads: the
+architecture comes from the checkpoint's ``config.json`` (a local directory) or from a preset, the model is
+built on the ``meta`` device (shapes only, no storage) to count parameters exactly, and the backend is looked
+up by name without its hardware (``Backend.device_memory_gib`` gives the memory of one device from a table).
+
+What is counted, per device, for FSDP2 over ``world = nproc x nnodes`` processes (docs/recipes.md, "Memory
+plan"): parameters in the recipe's dtype (sharded: 1/world each; the sharded copy is the optimizer's master),
+gradients (same), Adam(W)'s two states (same dtype as the parameters: torch keeps them like the parameter),
+the gathered layers (FSDP2 holds the root unit — embeddings, LM head — and two decoder layers unsharded in
+the backend's compute dtype while they run), the reference model (KL) and the critic (GAE), activations
+saved for backward at the token budget of one micro-batch, the log-prob path (full [T, V] logits, or the
+fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: its KV cache and its prefill logits.
+
+Activation bytes per token and layer are linear in the architecture's dimensions; the coefficients below were
+measured on the CPU (saved-tensor hooks over one decoder layer, bf16 and fp32, several widths; the test
+``tests/run/test_plan.py`` re-measures one). Everything else is exact arithmetic on shapes. The plan is a
+model, not a measurement: peaks from allocator fragmentation and temporaries are covered by ``HEADROOM``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from polyrl.core.config import RunConfig
+from polyrl.core.errors import BadInputError
+
+GIB = 2**30
+# Fraction of a device's memory the plan lets a run use: the rest is the runtime's context, the collective
+# library's buffers and allocator fragmentation.
+HEADROOM = 0.90
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --- the architecture, on the meta device ---------------------------------------------------------------------
+def architecture_config(cfg: RunConfig, name: str | None = None, overrides: dict | None = None) -> tuple[Any, str]:
+    """The transformers config of ``name`` (default: the actor) and where it came from, without weights.
+
+    A local directory: its config.json. A preset: its table entry. Anything else: ``model.preset`` (the
+    architecture a dry run plans with before the checkpoint is downloaded), said in the returned note.
+    """
+    from polyrl.core.models.presets import PRESETS, check_overrides, model_config
+
+    name = cfg.model.name if name is None else name
+    overrides = dict(cfg.model.overrides if overrides is None else overrides)
+    try:
+        if os.path.isdir(name):
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(name, local_files_only=True)
+            check_overrides(type(config), overrides, f"checkpoint {name!r}")
+            for key, value in overrides.items():
+                setattr(config, key, value)
+            return config, f"checkpoint {name}"
+        if name in PRESETS:
+            return model_config(name, **overrides), f"preset {name}"
+        if cfg.model.preset is not None:
+            return model_config(cfg.model.preset, **overrides), (
+                f"model.name {name} is absent: architecture from preset {cfg.model.preset}")
+    except (ValueError, OSError) as exc:
+        raise BadInputError(f"model: {exc}") from None
+    raise BadInputError(f"model.name: {name!r} is neither a local checkpoint directory nor a preset; "
+                        "set model.preset to plan without the checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCount:
+    """Parameter counts of one model, from a meta-device build."""
+
+    total: int
+    largest_layer: int  # the largest decoder layer (one FSDP2 unit)
+    root: int  # what is not in a decoder layer: embeddings, final norm, LM head
+    layers: int
+
+
+def count_parameters(config: Any, *, lm_head: bool = True) -> ModelCount:
+    """Build the causal LM of ``config`` on the meta device (no storage, no download) and count.
+    ``lm_head=False``: the critic's trunk (its LM head is replaced by a value head of H + 1 parameters)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.core.distributed.sharding import decoder_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    total = sum(p.numel() for p in model.parameters())
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    if not lm_head:
+        head = model.get_output_embeddings()
+        shared = head is not None and head.weight is model.get_input_embeddings().weight
+        if head is not None and not shared:
+            total -= sum(p.numel() for p in head.parameters())
+        total += config.hidden_size + 1
+    return ModelCount(total=total, largest_layer=max(per_layer, default=0), root=total - sum(per_layer),
+                      layers=len(per_layer))
+
+
+# --- activations per token and layer ------------------------------------------------------------------------------
+def _layer_types(config: Any) -> list[str]:
+    """One entry per decoder layer: "sliding", "full" (GPT-OSS), "dense", "moe" (DeepSeek-V3)."""
+    n = config.num_hidden_layers
+    if config.model_type == "deepseek_v3":
+        k = getattr(config, "first_k_dense_replace", 0)
+        return ["dense" if i < k else "moe" for i in range(n)]
+    types = getattr(config, "layer_types", None) or ["full_attention"] * n
+    return ["sliding" if t == "sliding_attention" else "full" for t in types[:n]]
+
+
+def activation_bytes_per_token(config: Any, kind: str, c: int, native_attention: bool) -> float:
+    """Bytes saved for backward per token by one decoder layer of ``kind`` with compute dtype of ``c`` bytes.
+
+    Coefficients measured on the CPU (module docstring) for GPT-OSS and DeepSeek-V3; other architectures get a
+    generic dense-decoder estimate (not measured). The attention's saved output and its fp32 copy of q
+    (GPT-OSS) / v (DeepSeek-V3) are fp32 in the exact reference and in the compute dtype in a native kernel.
+    """
+    H = config.hidden_size
+    Hq = config.num_attention_heads
+    attn_big = (c if native_attention else 4) * 2  # bytes per element of the two [T, Hq, Dv] tensors
+    if config.model_type == "gpt_oss":
+        D, Hkv, k, inter = config.head_dim, config.num_key_value_heads, config.num_experts_per_tok, config.intermediate_size
+        elems = 2 * H + 2 * k * H + 7 * k * inter + 2 * Hkv * D + 43
+        fp32 = 16 * H + 2 * Hq + 131
+        return c * elems + fp32 + attn_big * Hq * D
+    if config.model_type == "deepseek_v3":
+        ql = config.q_lora_rank or 0
+        kv, r, n, vd = config.kv_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim, config.v_head_dim
+        attn_elems = 2 * ql + 2 * kv + 3 * Hq * (n + r) - 16 * Hq
+        attn_fp32 = 4 * ql + 4 * kv - 4 * r + 4 * Hq + attn_big * Hq * vd
+        if kind == "dense":
+            elems = 4 * H + 4 * config.intermediate_size + 64
+            fp32 = 8 * H + 24
+        else:
+            k, mI, s = config.num_experts_per_tok, config.moe_intermediate_size, config.n_shared_experts or 0
+            elems = 2 * H + 2 * k * H + 4 * k * mI + 4 * s * mI + 100
+            fp32 = 15 * H + 16 * config.n_routed_experts + 6 * Hq
+        return c * (elems + attn_elems) + fp32 + attn_fp32
+    # Any other decoder (Llama-like, dense SwiGLU): the DeepSeek-V3 dense layer's MLP and norms, a GQA attention.
+    D = getattr(config, "head_dim", None) or H // Hq
+    Hkv = getattr(config, "num_key_value_heads", None) or Hq
+    elems = 4 * H + 4 * config.intermediate_size + 2 * Hq * D + 2 * Hkv * D + 64
+    return c * elems + 8 * H + 4 * Hq + attn_big * Hq * D
+
+
+def kv_cache_bytes_per_token(config: Any, c: int) -> list[tuple[str, float]]:
+    """Per decoder layer: (kind, bytes of cached keys and values per token) of transformers' DynamicCache.
+    GPT-OSS caches K and V per KV head; DeepSeek-V3 (transformers) caches the decompressed per-head K and V."""
+    if config.model_type == "deepseek_v3":
+        per = c * config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    else:
+        Hq = config.num_attention_heads
+        D = getattr(config, "head_dim", None) or config.hidden_size // Hq
+        per = c * 2 * (getattr(config, "num_key_value_heads", None) or Hq) * D
+    return [(kind, per) for kind in _layer_types(config)]
+
+
+# --- the plan ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class MemoryPlan:
+    backend: str
+    device: str
+    device_memory_gib: float
+    nproc: int
+    nnodes: int
+    world_size: int
+    sharded: bool
+    architecture: str
+    attention: str
+    logprob_path: str
+    params: dict[str, int]  # model -> parameter count
+    rows: dict[str, float]  # item -> GiB per device
+    phases: dict[str, float]  # phase -> GiB per device at its peak
+    notes: list[str]
+
+    @property
+    def peak_gib(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def usable_gib(self) -> float:
+        return HEADROOM * self.device_memory_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.usable_gib
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(peak_gib=round(self.peak_gib, 3), usable_gib=round(self.usable_gib, 3), fits=self.fits,
+                   headroom=HEADROOM)
+        out["rows"] = {k: round(v, 3) for k, v in self.rows.items()}
+        out["phases"] = {k: round(v, 3) for k, v in self.phases.items()}
+        return out
+
+    def text(self) -> str:
+        lines = [
+            f"memory plan: {self.backend} ({self.device}, {self.device_memory_gib:g} GiB per device), "
+            f"{self.world_size} device(s) = {self.nproc} x {self.nnodes} node(s), "
+            f"{'FSDP2-sharded' if self.sharded else 'not sharded'}",
+            f"  architecture: {self.architecture}; attention: {self.attention}; log-probs: {self.logprob_path}",
+            "  parameters: " + ", ".join(f"{k} {v / 1e9:.2f} B" for k, v in self.params.items()),
+        ]
+        width = max(len(k) for k in self.rows)
+        lines += [f"  {k:<{width}}  {v:9.2f} GiB" for k, v in self.rows.items()]
+        lines += [f"  peak in {k:<{width - 8}}  {v:9.2f} GiB" for k, v in self.phases.items()]
+        verdict = "fits" if self.fits else "does NOT fit"
+        lines.append(f"  peak {self.peak_gib:.2f} GiB of {self.usable_gib:.2f} GiB usable "
+                     f"({HEADROOM:.0%} of {self.device_memory_gib:g}): {verdict}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def advice(self) -> str:
+        """One line: what to change so that the placement fits."""
+        need = self.peak_gib
+        # Sharded state shrinks with the world size; what does not (activations, gathered layers, rollout) stays.
+        state = sum(self.rows[k] for k in _SHARDED if k in self.rows) if self.sharded or self.world_size == 1 else 0.0
+        fixed = need - state
+        tips = []
+        if state > 0 and fixed < self.usable_gib:
+            devices = math.ceil(state * self.world_size / (self.usable_gib - fixed))
+            tips.append(f"use at least {devices} devices (--nproc/--nnodes)")
+        biggest = max((k for k in self.rows if k not in _SHARDED), key=lambda k: self.rows[k])
+        tips.append(f"shrink the largest item '{biggest}' ({self.rows[biggest]:.1f} GiB: "
+                    f"{_KNOB.get(biggest, 'see docs/recipes.md, Memory plan')})")
+        return (f"memory plan: needs {need:.1f} GiB per device, {self.usable_gib:.1f} GiB usable on "
+                f"{self.device} ({self.backend}) with {self.world_size} device(s): " + "; or ".join(tips))
+
+
+_SHARDED = ("parameters", "gradients", "optimizer state (2 Adam states)", "reference model",
+            "critic (params+grads+optimizer)")
+_KNOB = {
+    "activations (one micro-batch)": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens"
+                                     " (a sequence longer than the budget is a micro-batch of its own)",
+    "critic activations": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens",
+    "log-prob path (logits)": "set model.fused_logprobs=auto or lower algorithm.micro_batch_tokens",
+    "rollout KV cache": "set rollout.micro_batch_size",
+    "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
+    "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; a layer that does not fit gathered "
+                               "needs expert/tensor parallelism, which polyrl does not have yet",
+    "reference model": "turn the KL terms off or add devices",
+}
+
+
+def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1,
+                device_memory_gib: float | None = None, vocab_size: int | None = None) -> MemoryPlan:
+    """The per-device memory plan of ``cfg`` on ``backend`` with ``nproc`` processes on each of ``nnodes``
+    nodes. ``device_memory_gib`` overrides the backend's table; ``vocab_size`` is the tiny tokenizer's size
+    for synthetic tasks (the trainer resizes the embeddings to it)."""
+    if nproc < 1 or nnodes < 1:
+        raise BadInputError(f"--nproc and --nnodes must be >= 1, got {nproc} and {nnodes}")
+    world = nproc * nnodes
+    if device_memory_gib is not None:
+        device, capacity = "given", float(device_memory_gib)
+    else:
+        device, capacity = backend.device_memory_gib(local_world_size=nproc)
+    if capacity <= 0:
+        raise BadInputError(f"device memory must be > 0 GiB, got {capacity}")
+    policy = backend.sharding_policy()
+    sharded = world > 1 and cfg.sharding.enabled
+    s = _DTYPE_BYTES[cfg.model.dtype]  # storage: parameters, gradients, optimizer states
+    c = _DTYPE_BYTES.get(policy.param_dtype, s) if sharded else s  # compute (FSDP2 mixed precision)
+    red = _DTYPE_BYTES.get(policy.reduce_dtype, 4) if sharded else s
+    overrides = dict(cfg.model.overrides)
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    config, source = architecture_config(cfg, overrides=overrides)
+    if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= config.vocab_size:
+        config.pad_token_id = 0  # as the trainer does for a task's tiny vocabulary
+    actor = count_parameters(config)
+    alg, ro, data = cfg.algorithm, cfg.rollout, cfg.data
+    notes = [f"architecture from {source}"] if not source.startswith("model.name") else [source]
+    if config.model_type not in ("gpt_oss", "deepseek_v3"):
+        notes.append(f"activations of {config.model_type}: a generic dense-decoder estimate (not measured)")
+
+    def share(n: int) -> float:
+        return math.ceil(n / world) if sharded else n
+
+    offload = cfg.sharding.cpu_offload and sharded
+    params = {"actor": actor.total}
+    state_bytes = 0.0 if offload else share(actor.total) * s * 4  # params + grads + 2 Adam states
+    rows: dict[str, float] = {}
+    rows["parameters"] = 0.0 if offload else share(actor.total) * s / GIB
+    rows["gradients"] = rows["parameters"]
+    rows["optimizer state (2 Adam states)"] = 2 * rows["parameters"]
+    rows["master weights"] = 0.0  # the sharded parameters are the master copy (no separate one)
+    gathered = 0.0
+    if sharded:
+        layers_held = actor.layers if not cfg.sharding.reshard_after_forward else 2
+        gathered = (actor.root + layers_held * actor.largest_layer) * c
+        # gradients of a layer in backward before their reduce-scatter (compute dtype + the reduce dtype)
+        gathered += actor.largest_layer * (c + red)
+    ref_bytes = 0.0
+    if alg.use_kl_in_reward or alg.use_kl_loss:
+        params["reference"] = actor.total
+        ref_bytes = 0.0 if offload else share(actor.total) * s
+    critic_state = 0.0
+    critic_cfg = None
+    if alg.adv_estimator == "gae":
+        name = cfg.model.critic_name or cfg.model.name
+        critic_cfg, _ = architecture_config(cfg, name, {**overrides, **cfg.model.critic_overrides})
+        if getattr(critic_cfg, "pad_token_id", None) is not None and critic_cfg.pad_token_id >= critic_cfg.vocab_size:
+            critic_cfg.pad_token_id = 0
+        critic = count_parameters(critic_cfg, lm_head=False)
+        params["critic"] = critic.total
+        critic_state = 0.0 if offload else share(critic.total) * s * 4
+    rows["reference model"] = ref_bytes / GIB
+    rows["critic (params+grads+optimizer)"] = critic_state / GIB
+    rows["gathered layers (FSDP2)"] = gathered / GIB
+    state_total = state_bytes + ref_bytes + critic_state
+
+    # --- the update: activations of one micro-batch and the log-prob path ---
+    native = "varlen_attention" in backend.native_kernels and cfg.model.attn_implementation == "polyrl"
+    attention = (f"polyrl ({'native kernel of ' + backend.name if native else 'exact reference'})"
+                 if cfg.model.attn_implementation == "polyrl" else cfg.model.attn_implementation)
+    longest = data.max_prompt_length + ro.max_response_length
+    tokens = max(alg.micro_batch_tokens, longest)  # a longer sequence gets a micro-batch of its own
+    per_layer = [activation_bytes_per_token(config, kind, c, native) for kind in _layer_types(config)]
+    ckpt = cfg.trainer.activation_checkpointing
+    if ckpt:  # only each layer's input stays saved; one layer at a time is recomputed in backward
+        act = (len(per_layer) * config.hidden_size * c + max(per_layer)) * tokens
+    else:
+        act = sum(per_layer) * tokens
+    act += tokens * config.hidden_size * (2 * c + 8)  # embeddings output, final norm (input, fp32 pair)
+    if cfg.model.attn_implementation not in ("polyrl",):
+        # eager / sdpa: [Hq, S, S] scores and probabilities per sequence, each layer
+        seqs = max(1, tokens // longest)
+        act += config.num_hidden_layers * seqs * config.num_attention_heads * longest**2 * (c + 4)
+        notes.append(f"attention {cfg.model.attn_implementation}: quadratic scores counted per layer")
+    V = config.vocab_size
+    response_tokens = tokens * ro.max_response_length / longest
+    chunk = cfg.trainer.logprob_chunk_size
+    # model.fused_logprobs: "auto" fuses wherever the model allows it (GPT-OSS and DeepSeek-V3 do)
+    fused = cfg.model.fused_logprobs is True or cfg.model.fused_logprobs == "auto"
+    if fused:
+        from polyrl.core.algorithms.linear_logprobs import vocab_chunk_for
+
+        vchunk = vocab_chunk_for(chunk, V, None)
+        # one fp32 [chunk, vocab chunk] tile in forward and one in backward, and backward's fp32 dW block
+        logits = 2 * chunk * vchunk * 4 + vchunk * config.hidden_size * 4
+        logprob_path = f"fused lm_head + log-prob (fp32 [{chunk}, {vchunk}] tiles, no [T, V] logits)"
+    else:
+        # forward: [T, V] logits; the chunked log-prob keeps the response rows [N, V]; backward adds their
+        # gradient and the [T, V] gradient of the logits, plus one fp32 [chunk, V] block
+        logits = (tokens * V + 2 * response_tokens * V) * c + chunk * V * 4
+        logprob_path = f"full logits [T, V] + chunked fp32 log-prob ({chunk} rows)"
+    rows["activations (one micro-batch)"] = act / GIB
+    rows["log-prob path (logits)"] = logits / GIB
+    if critic_cfg is not None:  # the critic's update runs before the actor's: its own activations, no logits
+        crit = [activation_bytes_per_token(critic_cfg, k, c, native) for k in _layer_types(critic_cfg)]
+        crit_act = (len(crit) * critic_cfg.hidden_size * c + max(crit)) if ckpt else sum(crit)
+        rows["critic activations"] = crit_act * tokens / GIB
+
+    # --- the rollout: KV cache and logits of the sequences generated together on this device ---
+    per_device = math.ceil(data.batch_size / world) * ro.n
+    together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
+    kv = 0.0
+    for kind, per_token in kv_cache_bytes_per_token(config, c):
+        held = min(longest, config.sliding_window) if kind == "sliding" and getattr(config, "sliding_window", None) else longest
+        kv += together * held * per_token
+    rows["rollout KV cache"] = kv / GIB
+    rows["rollout prefill logits"] = together * (data.max_prompt_length * V * c + 3 * V * 4) / GIB
+    notes.append(f"rollout: {together} sequences generated together per device "
+                 f"({per_device} per step; rollout.micro_batch_size bounds it)")
+
+    static = state_total / GIB
+    phases = {
+        "rollout": static + rows["gathered layers (FSDP2)"] - rows["gradients"] * (not offload)
+        + rows["rollout KV cache"] + rows["rollout prefill logits"],
+        "update": static + rows["gathered layers (FSDP2)"] + rows["activations (one micro-batch)"]
+        + rows["log-prob path (logits)"],
+    }
+    # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq)
+    phases["optimizer step"] = static + rows["parameters"]
+    if critic_cfg is not None:
+        phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"]
+    return MemoryPlan(
+        backend=backend.name, device=device, device_memory_gib=capacity, nproc=nproc, nnodes=nnodes,
+        world_size=world, sharded=sharded,
+        architecture=f"{config.model_type}, {actor.layers} layers, vocab {V}"
+        + (", activation checkpointing" if ckpt else ""),
+        attention=attention, logprob_path=logprob_path, params=params, rows=rows, phases=phases, notes=notes,
+    )
