@@ -10,7 +10,7 @@
 #   5. a quick attention benchmark beside the peers installed on the machine (FA4, FLA, flex, SDPA)
 #   6. the fused lm_head + log-prob benchmark at GPT-OSS-20B width beside Liger / Cut Cross-Entropy when installed
 #   7. with two or more GPUs: one GPU against two (bench/two_gpu.py: curves, step time, memory, SIGKILL drill)
-#   8. the memory plan against a measured run: the 2-layer GPT-OSS-20B-width recipe (bench/plan_check.py)
+#   8. the memory plan against a measured run: the 2-layer GPT-OSS-20B-width recipe (bench/memory_plan.py)
 # Writes everything under ${GPU_CHECK_OUT:-gpu_check_out}/ and prints a summary; exit 1 if a step failed.
 #
 #   bash bench/gpu_check.sh            # all steps
@@ -74,7 +74,7 @@ if want 7 && [[ $ngpu -ge 2 ]]; then
 elif want 7; then
   echo "=== two_gpu: not run: $ngpu GPU(s) on this machine" | tee -a "$OUT/not_run.txt"
 fi
-want 8 && step plan_check $PY bench/plan_check.py --out "$OUT/plan_check.json"
+want 8 && step memory_plan $PY bench/memory_plan.py --out "$OUT/memory_plan.json"
 
 echo "=== summary"
 for s in "${status[@]}"; do echo "$s"; done | tee "$OUT/summary.txt"
