@@ -5,8 +5,8 @@
 #      lm_head log-prob kernel, the trainer on cuda: DAPO, PPO, resume, export), $GPU_TEST_WORKERS at a time
 #   2. start-up and step profile of the tiny DAPO recipe, twice (the second run is "a machine that has run it once")
 #   3. both tiny recipes through `polyrl run --backend cuda`, seeds $GPU_CHECK_SEEDS (bench/recipe_tiny.py)
-#   4. `polyrl parity --backend cuda`, all four levels (recipe level: $GPU_PARITY_STEPS steps, seeds $GPU_PARITY_SEEDS),
-#      JSON report and the recipe-level curves as a PNG
+#   4. `polyrl parity --backend cuda`, all four levels or $GPU_PARITY_LEVELS (recipe level: $GPU_PARITY_STEPS steps,
+#      seeds $GPU_PARITY_SEEDS), JSON report and the recipe-level curves as a PNG
 #   5. a quick attention benchmark beside the peers installed on the machine (FA4, FLA, flex, SDPA)
 #   6. the fused lm_head + log-prob benchmark at GPT-OSS-20B width beside Liger / Cut Cross-Entropy when installed
 #   7. with two or more GPUs: one GPU against two (bench/two_gpu.py: curves, step time, memory, SIGKILL drill)
@@ -62,8 +62,11 @@ want 3 && step recipes $PY bench/recipe_tiny.py --backend cuda --seeds $SEEDS --
 if want 4; then
   plot=()
   $PY -c "import matplotlib" 2>/dev/null && plot=(--plot "$OUT/parity_recipe_cuda.png")
-  step parity $PY -m polyrl parity --backend cuda --steps "${GPU_PARITY_STEPS:-40}" --seeds "${GPU_PARITY_SEEDS:-0,1}" \
-    --jobs 8 --output "$OUT/parity_cuda.json" "${plot[@]}"
+  levels=()
+  for l in ${GPU_PARITY_LEVELS:-}; do levels+=(--level "$l"); done  # default: all four
+  [[ " ${GPU_PARITY_LEVELS:-recipe} " == *" recipe "* ]] || plot=()
+  step parity $PY -m polyrl parity --backend cuda "${levels[@]}" --steps "${GPU_PARITY_STEPS:-40}" \
+    --seeds "${GPU_PARITY_SEEDS:-0,1}" --jobs 8 --output "$OUT/parity_cuda.json" "${plot[@]}"
 fi
 want 5 && step attention $PY bench/attention.py --quick --out "$OUT/attention_quick.json"
 want 6 && step logprob_linear $PY bench/logprob_linear.py --out "$OUT/logprob_linear.json"
