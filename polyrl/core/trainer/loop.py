@@ -21,7 +21,8 @@ import torch
 from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
-from polyrl.core.rollout import build_engine
+from polyrl.core.rollout import build_engine, resolve_engine
+from polyrl.core.trainer import sync
 from polyrl.core.trainer.batch import SequenceBatch, forward_all, policy_forward, value_forward
 from polyrl.core.trainer.experience import Rollout, TrainingAborted, collect_experience, sampling_params
 from polyrl.core.trainer.setup import build_kl_controller, build_models, build_task, build_tokenizer, check_config
@@ -66,21 +67,32 @@ class Trainer:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Packing needs an attention that splits documents by position_ids; others get padded rows.
         packed = cfg.model.attn_implementation == "polyrl"
-        self.engine = build_engine(cfg.rollout.engine, self.models.actor, pad_token_id=pad_id)
+        max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
+        self.engine = build_engine(resolve_engine(cfg.rollout.engine, backend), self.models.actor, pad_token_id=pad_id,
+                                   backend=backend, max_model_len=max_len, sampling=sampling)
         self.rollout = Rollout(
             task=self.task, tokenizer=self.tokenizer, engine=self.engine,
-            sampling=sampling_params(cfg, self.tokenizer.eos_token_id), sample_gen=self.state.sample_gen,
+            sampling=sampling, sample_gen=self.state.sample_gen,
             task_rng=self.state.task_rng, device=self.device,
         )
         m, c = self.models, self.state.counters
         self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs)
         self.critic = Learner(m.critic, m.critic_optimizer, self.state.shuffle_gen, c, packed, pad_id) if m.critic else None
+        # every sync into an engine with its own weights is checked on this probe (polyrl.core.trainer.sync)
+        actor_cfg = getattr(m.actor, "config", None)
+        self.probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)
+        # the bar of the lower precision among the model's dtype and the backend's FSDP compute dtype
+        dtypes = {cfg.model.dtype, backend.sharding_policy().param_dtype}
+        self.probe_dtype = "float32" if dtypes == {"float32"} else sorted(dtypes - {"float32"})[0]
+        self.sync_metrics = sync.verify(self.engine, m.actor, self.probe, self.probe_dtype, **self._probe_kwargs())
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         # 1-2. rollout and reward (with overlong shaping and DAPO dynamic sampling)
         exp = collect_experience(self.cfg, self.rollout)
+        sync.sleep(self.engine)  # the engine's memory is the trainer's until the sync
         metrics = dict(exp.metrics)
         if exp.batch is not None:
             metrics.update(self._learn(exp.batch, exp.scores))
@@ -91,8 +103,9 @@ class Trainer:
             self.models.scheduler.step()
             if self.models.critic_scheduler is not None:
                 self.models.critic_scheduler.step()
-        # 6. the engine generates with the new weights from the next step on
-        self.engine.sync_weights(self.models.actor)
+        # 6. the engine generates with the new weights from the next step on (verified: polyrl.core.trainer.sync)
+        metrics.update(sync.sync_and_verify(self.engine, self.models.actor, self.probe, self.probe_dtype,
+                                            **self._probe_kwargs()))
         c = self.state.counters
         c.gen_batches += exp.gen_batches
         c.groups_filtered += exp.groups_filtered
@@ -110,6 +123,10 @@ class Trainer:
 
     def _forward_kwargs(self) -> dict[str, Any]:
         return dict(packed=self.actor.packed, pad_id=self.actor.pad_id)
+
+    def _probe_kwargs(self) -> dict[str, Any]:
+        return dict(packed=self.actor.packed, pad_id=self.actor.pad_id, chunk_size=self.cfg.trainer.logprob_chunk_size,
+                    logprobs=self.backend.logprobs)
 
     def _learn(self, batch: SequenceBatch, scores: torch.Tensor) -> dict[str, float]:
         cfg, alg = self.cfg, self.cfg.algorithm
