@@ -132,7 +132,8 @@ class VllmEngine:
         self.pad_token_id = int(pad_token_id)
         config = _unwrap(model).config
         self.model_type = str(getattr(config, "model_type", ""))
-        self.max_model_len = int(max_model_len or min(getattr(config, "max_position_embeddings", 4096), 4096))
+        # + 1: ``score`` asks vLLM for one generated token after a sequence of up to max_model_len tokens
+        self.max_model_len = int(max_model_len or min(getattr(config, "max_position_embeddings", 4096), 4096)) + 1
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
         self.logprobs_mode = logprobs_mode(sampling)
         self.rebuilds = 0  # rebuilds after the first build (the trainer reports them)
