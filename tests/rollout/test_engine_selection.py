@@ -61,7 +61,7 @@ def test_buckets_hold_whole_decoder_layers_within_the_budget() -> None:
 def test_logprobs_mode_follows_polyrls_convention() -> None:
     assert vllm_engine.logprobs_mode(SamplingParams(temperature=0.7)) == "processed_logprobs"
     assert vllm_engine.logprobs_mode(SamplingParams(temperature=1.0, top_p=0.9)) == "raw_logprobs"
-    with pytest.raises(ValueError, match="rollout.temperature=1.0"):
+    with pytest.raises(ValueError, match=r"rollout\.temperature=1\.0"):
         vllm_engine.logprobs_mode(SamplingParams(temperature=0.7, top_k=5))
 
 

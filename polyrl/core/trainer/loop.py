@@ -257,4 +257,6 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
     finally:
         if bar is not None:
             bar.close()
+        if callable(getattr(trainer.engine, "close", None)):
+            trainer.engine.close()  # an engine with its own process state (vLLM) ends before the process group
     return last
