@@ -104,8 +104,7 @@ class Trainer:
             if self.models.critic_scheduler is not None:
                 self.models.critic_scheduler.step()
         # 6. the engine generates with the new weights from the next step on (verified: polyrl.core.trainer.sync)
-        metrics.update(sync.sync_and_verify(self.engine, self.models.actor, self.probe, self.probe_dtype,
-                                            **self._probe_kwargs()))
+        metrics.update(self.sync_engine())
         c = self.state.counters
         c.gen_batches += exp.gen_batches
         c.groups_filtered += exp.groups_filtered
@@ -120,6 +119,11 @@ class Trainer:
         metrics = D.all_reduce_metrics(metrics, ops={"time/step_s": "max", "time/rollout_s": "max",
                                                      "memory/peak_gib": "max", "batch/tokens": "sum"})
         return {"step": self.state.step, **metrics}
+
+    def sync_engine(self) -> dict[str, float]:
+        """The actor's weights into the rollout engine, verified (after every update, and after a resume loaded a
+        checkpoint into the actor: an engine with its own weights still holds the initial ones)."""
+        return sync.sync_and_verify(self.engine, self.models.actor, self.probe, self.probe_dtype, **self._probe_kwargs())
 
     def _forward_kwargs(self) -> dict[str, Any]:
         return dict(packed=self.actor.packed, pad_id=self.actor.pad_id)
@@ -239,6 +243,8 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
         bar = tqdm(total=cfg.total_steps, initial=trainer.state.step, desc="polyrl", unit="step", dynamic_ncols=True)
     last: dict[str, float] = {}
     try:
+        if trainer.state.step > 0:  # resumed: the checkpoint's weights are not in the engine yet
+            trainer.sync_engine()
         while trainer.state.step < cfg.total_steps:
             last = trainer.step()
             check_lifeline()
