@@ -99,7 +99,7 @@ def is_verified(engine: Any) -> bool:
 def resolve_engine(requested: str, backend: Any) -> str:
     """The engine a recipe's ``rollout.engine`` names on ``backend``: ``auto`` is the backend's first engine
     (``Backend.rollout_engines`` is in order of preference) that is registered and ready here
-    (``Backend.rollout_engine_problem``); an explicit name must be registered and run on the backend."""
+    (``Backend.rollout_engine_problem``); an explicit name must be registered, and ready if the backend lists it."""
     from polyrl.core.errors import BadInputError
     from polyrl.core.plugins import get_registry
 
@@ -116,10 +116,9 @@ def resolve_engine(requested: str, backend: Any) -> str:
     if requested not in registered:
         raise BadInputError(f"rollout.engine: unknown rollout engine {requested!r} "
                             f"(known: {', '.join(engine_names()) or '(none)'})")
-    if requested not in declared:
-        raise BadInputError(f"rollout.engine: engine {requested!r} does not run on backend {backend.name!r} "
-                            f"(its engines: {', '.join(declared)})")
-    problem = backend.rollout_engine_problem(requested)
+    # An engine the backend does not list is allowed when named (a plugin's engine may run anywhere); one it lists
+    # must be ready here.
+    problem = backend.rollout_engine_problem(requested) if requested in declared else ""
     if problem:
         raise BadInputError(f"rollout.engine: engine {requested!r} cannot run on backend {backend.name!r}: {problem}")
     return requested
