@@ -10,8 +10,19 @@ on the same inputs: FlashAttention-4 (``flash_attn.cute.flash_attn_varlen_func``
 reported "not installed". After the table, each case prints our figure beside each peer's and the ratio
 ours/peer (below 1: ours is faster); docs/background.md §8 anchors appear only in place of a peer that did not run.
 
-    python bench/attention.py [--quick] [--layouts 4x4096,1x16384] [--windows none,128] [--impls ...]
-                              [--no-accuracy] [--out bench/results/attention.json]
+    python bench/attention.py [--quick | --variants] [--layouts 4x4096,1x16384] [--windows none,128]
+                              [--impls ...] [--no-accuracy] [--max-wall-s S] [--profile]
+                              [--out bench/results/attention.json]
+
+polyrl's kernel paths run as separate implementations in the same process (polyrl.backends.cuda.attention.
+KernelOptions): ``polyrl`` (default: two-pass deterministic backward, aligned tiles, first configs),
+``polyrl-atomic`` (fused dK/dV + atomic dQ backward), ``polyrl-band`` (exact band tiles for the window; not run
+on causal cases, where it changes nothing), ``polyrl-table`` (per-head-dim config table), ``polyrl-new`` (all
+three). --variants: every polyrl path beside FA4, FLA, cuDNN SDPA and flex on all four cases, short timing,
+a wall-clock budget (--max-wall-s, default 190 s: peers other than FA4 not started by then are reported as
+skipped), written to bench/results/attention_variants.json. --profile: instead of timing, one
+torch.profiler pass over a few fwd+bwd calls of each implementation on the first layout/window, printing the
+CUDA kernels' time per call (which kernel the time goes to).
 
 --quick: 4x4096 only (causal and window 128), no eager, shorter timing (do_bench warmup 5 ms / rep 20 ms),
 written to bench/results/attention_quick.json unless --out says otherwise; about a minute with cold compile
@@ -48,6 +59,12 @@ FULL = {"layouts": "4x4096,1x16384", "windows": "none,128", "impls": "polyrl,fa4
         "warmup_ms": 10, "rep_ms": 50, "out": "bench/results/attention.json"}
 QUICK = {"layouts": "4x4096", "windows": "none,128", "impls": "polyrl,fa4,fla,sdpa-nosink,flex",
          "warmup_ms": 5, "rep_ms": 20, "out": "bench/results/attention_quick.json"}
+# polyrl's kernel paths: name -> KernelOptions fields (bench name "polyrl-<path>").
+POLYRL_PATHS = {"": {}, "atomic": {"bwd": "atomic"}, "band": {"window_tiles": "band"}, "table": {"configs": "table"},
+                "new": {"bwd": "atomic", "window_tiles": "band", "configs": "table"}}
+VARIANTS = {"layouts": "4x4096,1x16384", "windows": "none,128",
+            "impls": "polyrl,polyrl-atomic,polyrl-band,polyrl-table,polyrl-new,fa4,sdpa-nosink,fla,flex",
+            "warmup_ms": 5, "rep_ms": 25, "out": "bench/results/attention_variants.json", "max_wall_s": 190}
 TIMING = {"warmup_ms": FULL["warmup_ms"], "rep_ms": FULL["rep_ms"]}
 
 
@@ -86,6 +103,10 @@ class PeerMissing(Exception):
     """An optional peer that cannot be imported: reported as "not installed" or "import failed", not as a bug."""
 
 
+class NotApplicable(Exception):
+    """An implementation that has nothing to add on this case (reported as "n/a: why")."""
+
+
 def import_peer(module: str, name: str):
     import importlib
 
@@ -98,15 +119,24 @@ def import_peer(module: str, name: str):
 
 
 # --- implementations: each returns a fwd callable (or (fwd, grad leaves)) over the shared packed inputs -----
-def impl_polyrl(q, k, v, sinks, cu, lengths, window):
-    from polyrl.backends.cuda.attention import triton_varlen_attention
+def polyrl_impl(path: str):
+    """An implementation running polyrl's kernels with the options of ``POLYRL_PATHS[path]``."""
+    fields = POLYRL_PATHS[path]
 
-    scale = D**-0.5
+    def impl(q, k, v, sinks, cu, lengths, window):
+        from polyrl.backends.cuda.attention import KernelOptions, triton_varlen_attention
 
-    def fwd():
-        return triton_varlen_attention(q, k, v, cu, scale=scale, window=window, sinks=sinks)
+        options = KernelOptions(**fields)
+        if fields.get("window_tiles") == "band" and len(fields) == 1 and not options.band(window):
+            raise NotApplicable("band tiles change only windows <= 256")
+        scale = D**-0.5
 
-    return fwd
+        def fwd():
+            return triton_varlen_attention(q, k, v, cu, scale=scale, window=window, sinks=sinks, options=options)
+
+        return fwd
+
+    return impl
 
 
 def impl_sdpa(q, k, v, sinks, cu, lengths, window):
@@ -114,9 +144,9 @@ def impl_sdpa(q, k, v, sinks, cu, lengths, window):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if window is not None:
-        raise RuntimeError("SDPA has no sliding window")
+        raise NotApplicable("SDPA has no sliding window")
     if len(set(lengths)) != 1:
-        raise RuntimeError("batched SDPA needs equal document lengths")
+        raise NotApplicable("batched SDPA needs equal document lengths")
     b, n = len(lengths), lengths[0]
     qb = q.view(b, n, HQ, D).transpose(1, 2)
     kb = k.repeat_interleave(HQ // HKV, 1).view(b, n, HQ, D).transpose(1, 2).detach().requires_grad_()
@@ -219,11 +249,12 @@ def impl_fa4(q, k, v, sinks, cu, lengths, window):
     return fwd
 
 
-IMPLS = {"polyrl": impl_polyrl, "fa4": impl_fa4, "fla": impl_fla, "sdpa-nosink": impl_sdpa, "flex": impl_flex,
+IMPLS = {**{OURS + (f"-{p}" if p else ""): polyrl_impl(p) for p in POLYRL_PATHS}, "fa4": impl_fa4, "fla": impl_fla, "sdpa-nosink": impl_sdpa, "flex": impl_flex,
          "eager": impl_eager}
 
 
-def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool) -> list[dict]:
+def make_inputs(layout: str):
+    """The case's bf16 leaves (q, k, v, fp32 sinks), cu_seqlens, document lengths and upstream gradient."""
     n_docs, n = (int(x) for x in layout.split("x"))
     lengths = [n] * n_docs
     t = sum(lengths)
@@ -234,19 +265,36 @@ def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool) 
     sinks = (torch.randn(HQ, device="cuda", generator=gen) + 1.0).requires_grad_()
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     do = torch.randn(t, HQ, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return q, k, v, sinks, cu, lengths, do
+
+
+def make_fwd_bwd(name: str, q, k, v, sinks, cu, lengths, window, do):
+    """(fwd, fwd_bwd) callables of one implementation on the shared inputs."""
+    made = IMPLS[name](q, k, v, sinks, cu, lengths, window)
+    fwd, leaves = made if isinstance(made, tuple) else (made, (q, k, v, sinks))
+
+    def fwd_bwd():
+        out = fwd()
+        torch.autograd.grad(out, leaves, do, allow_unused=True)
+
+    return fwd, fwd_bwd
+
+
+_REFERENCES: dict[str, dict] = {}
+
+
+def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool, deadline: float) -> list[dict]:
+    q, k, v, sinks, cu, lengths, do = make_inputs(layout)
     flops = useful_flops(lengths, window)
-    reference = {}  # the fp32 reference of this case, computed once for all implementations
+    # the fp32 reference of this case, computed once for all implementations (inputs are seeded: same values)
+    reference = _REFERENCES.setdefault(case_key(layout, window), {})
     rows = []
     for name in impls:
         row = {"layout": layout, "window": window, "impl": name, "sinks": name != "sdpa-nosink"}
         try:
-            made = IMPLS[name](q, k, v, sinks, cu, lengths, window)
-            fwd, leaves = made if isinstance(made, tuple) else (made, (q, k, v, sinks))
-
-            def fwd_bwd(fwd=fwd, leaves=leaves):
-                out = fwd()
-                torch.autograd.grad(out, leaves, do, allow_unused=True)
-
+            if time.time() > deadline:
+                raise NotApplicable("skipped: --max-wall-s budget spent")
+            fwd, fwd_bwd = make_fwd_bwd(name, q, k, v, sinks, cu, lengths, window, do)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             fwd_bwd()  # compiles / autotunes
@@ -264,6 +312,8 @@ def run_case(layout: str, window: int | None, impls: list[str], accuracy: bool) 
                 row.update(accuracy_vs_fp32(fwd, q, k, v, sinks, do, reference))
         except PeerMissing as e:
             row["error"] = str(e)
+        except NotApplicable as e:
+            row["error"] = f"n/a: {e}" if not str(e).startswith("skipped") else str(e)
         except torch.OutOfMemoryError:
             row["error"] = "out of memory"
         except Exception as e:  # a peer failing must not hide the others' numbers
@@ -402,36 +452,124 @@ def versions() -> dict:
             "python": platform.python_version(), "peers": {d: dist_version(d) for d in PEER_DISTS}}
 
 
+def is_ours(impl: str) -> bool:
+    return impl == OURS or impl.startswith(OURS + "-")
+
+
+def paths(rows: list[dict], peer: str = "fa4") -> dict:
+    """{case: {polyrl path: ms, ratio to the default path and to ``peer`` (below 1: the path is faster)}}."""
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_case.setdefault(case_key(r["layout"], r["window"]), {})[r["impl"]] = r
+    result = {}
+    for key, impls in by_case.items():
+        base, other = impls.get(OURS, {}), impls.get(peer, {})
+        result[key] = {name: {"fwd_ms": r.get("fwd_ms"), "fwd_bwd_ms": r.get("fwd_bwd_ms"), "peak_gib": r.get("peak_gib"),
+                              "err_out": r.get("err_out"), "err_grad_max": max_grad_err(r), "error": r.get("error"),
+                              f"ratio_fwd_vs_{OURS}": ratio(r.get("fwd_ms"), base.get("fwd_ms")),
+                              f"ratio_fwd_bwd_vs_{OURS}": ratio(r.get("fwd_bwd_ms"), base.get("fwd_bwd_ms")),
+                              f"ratio_fwd_vs_{peer}": ratio(r.get("fwd_ms"), other.get("fwd_ms")),
+                              f"ratio_fwd_bwd_vs_{peer}": ratio(r.get("fwd_bwd_ms"), other.get("fwd_bwd_ms"))}
+                       for name, r in impls.items() if is_ours(name)}
+    return result
+
+
+def path_lines(rows: list[dict], peer: str = "fa4") -> list[str]:
+    """polyrl's kernel paths per case: ms, ratios to the default path and to ``peer`` from the same run."""
+    lines = ["\npolyrl kernel paths, same run; ratio = path / reference (below 1: the path is faster)",
+             f"{'case':16} {'path':14} {'fwd/f+b ms':>15} {'/' + OURS + ' fwd f+b':>16} {'/' + peer + ' fwd f+b':>13} "
+             f"{'peak GiB':>8}  err out / grad-max"]
+    f2 = lambda x: f"{x:.2f}" if x is not None else "-"  # noqa: E731
+    for key, entries in paths(rows, peer).items():
+        for name, e in entries.items():
+            if e["fwd_ms"] is None:
+                lines.append(f"{key:16} {name:14} {(e['error'] or 'no figure')[:80]}")
+                continue
+            lines.append(f"{key:16} {name:14} {_ms(e['fwd_ms']) + '/' + _ms(e['fwd_bwd_ms']):>15} "
+                         f"{f2(e[f'ratio_fwd_vs_{OURS}']):>7} {f2(e[f'ratio_fwd_bwd_vs_{OURS}']):>8} "
+                         f"{f2(e[f'ratio_fwd_vs_{peer}']):>6} {f2(e[f'ratio_fwd_bwd_vs_{peer}']):>6} "
+                         f"{e['peak_gib'] if e['peak_gib'] is not None else '-':>8}  "
+                         f"{_err(e['err_out'])} / {_err(e['err_grad_max'])}")
+    return lines
+
+
+def profile(layout: str, window: int | None, impls: list[str], iters: int = 5) -> dict:
+    """torch.profiler over ``iters`` fwd+bwd calls of each implementation: CUDA time per call by kernel."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    q, k, v, sinks, cu, lengths, do = make_inputs(layout)
+    result = {}
+    for name in impls:
+        try:
+            _, fwd_bwd = make_fwd_bwd(name, q, k, v, sinks, cu, lengths, window, do)
+            fwd_bwd()  # compile outside the profile
+            torch.cuda.synchronize()
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(iters):
+                    fwd_bwd()
+                torch.cuda.synchronize()
+        except Exception as e:  # a missing or failing peer must not hide the others' profiles
+            print(f"\n{name}: {type(e).__name__}: {str(e)[:200]}")
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        kernels = []
+        for evt in prof.key_averages():
+            us = getattr(evt, "self_device_time_total", None)
+            us = evt.self_cuda_time_total if us is None else us
+            if us > 0:
+                kernels.append({"kernel": evt.key, "calls_per_iter": evt.count / iters, "us_per_iter": us / iters})
+        kernels.sort(key=lambda x: -x["us_per_iter"])
+        total = sum(x["us_per_iter"] for x in kernels)
+        result[name] = {"total_us_per_iter": round(total, 1), "kernels": kernels}
+        print(f"\n{name}: {layout} window {window}, fwd+bwd, CUDA time per call {total / 1000:.3f} ms")
+        for x in kernels[:12]:
+            print(f"  {x['us_per_iter']:9.1f} us {100 * x['us_per_iter'] / total:5.1f}%  x{x['calls_per_iter']:<4g} "
+                  f"{x['kernel'][:90]}")
+        torch.cuda.empty_cache()
+    return result
+
+
 def table_lines(rows: list[dict]) -> list[str]:
-    lines = [f"\n{'layout':8} {'window':6} {'impl':12} {'fwd ms':>8} {'f+b ms':>8} {'fwd TF':>7} {'f+b TF':>7} "
+    lines = [f"\n{'layout':8} {'window':6} {'impl':14} {'fwd ms':>8} {'f+b ms':>8} {'fwd TF':>7} {'f+b TF':>7} "
              f"{'peak GiB':>8} {'1st call s':>10}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['layout']:8} {r['window']!s:6} {r['impl']:12} {r['error']}")
+            lines.append(f"{r['layout']:8} {r['window']!s:6} {r['impl']:14} {r['error']}")
             continue
         tgt = TARGETS.get((r["layout"], r["window"])) if r["impl"] == OURS else None
-        lines.append(f"{r['layout']:8} {r['window']!s:6} {r['impl']:12} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
+        lines.append(f"{r['layout']:8} {r['window']!s:6} {r['impl']:14} {r['fwd_ms']:8.3f} {r['fwd_bwd_ms']:8.3f} "
                      f"{r['fwd_tflops']:7.0f} {r['fwd_bwd_tflops']:7.0f} {r['peak_gib']:8.2f} "
                      f"{r.get('first_call_s', 0):10.1f}" + (f"  target {tgt[0]}/{tgt[1]} ms" if tgt else ""))
         if "err_out" in r:
             errs = " ".join(f"{k[4:]} {v:.1e}" for k, v in r.items() if k.startswith("err_"))
-            lines.append(f"{'':29}accuracy vs fp32 (rel. norm): {errs}")
+            lines.append(f"{'':31}accuracy vs fp32 (rel. norm): {errs}")
     return lines
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4x4096 causal + window 128, no eager, short timing")
+    ap.add_argument("--variants", action="store_true",
+                    help="every polyrl kernel path beside fa4, fla, sdpa, flex on all four cases, < 4 min")
+    ap.add_argument("--max-wall-s", type=float,
+                    help="peers (not polyrl's paths nor fa4) not started by then are skipped (--variants: 190)")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile fwd+bwd of each impl on the first layout and window instead of timing")
     ap.add_argument("--layouts")
     ap.add_argument("--windows")
     ap.add_argument("--impls")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    preset = QUICK if args.quick else FULL
+    if args.quick and args.variants:
+        ap.error("--quick and --variants are two presets: pick one")
+    preset = QUICK if args.quick else VARIANTS if args.variants else FULL
     for key in ("layouts", "windows", "impls", "out"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
+    if args.max_wall_s is None:
+        args.max_wall_s = preset.get("max_wall_s", float("inf"))
     args.warmup_ms, args.rep_ms = preset["warmup_ms"], preset["rep_ms"]
     unknown = [i for i in args.impls.split(",") if i not in IMPLS]
     if unknown:
@@ -449,22 +587,45 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/tmp/fa4_cute_dsl_cache")
     TIMING.update(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     impls = args.impls.split(",")
-    rows = []
+    windows = [None if w == "none" else int(w) for w in args.windows.split(",")]
     t0 = time.time()
+    if args.profile:
+        layout = args.layouts.split(",")[0]
+        result = {"versions": versions(), "profile": {"layout": layout, "window": windows[0],
+                                                      "impls": profile(layout, windows[0], impls)}}
+        out = args.out.replace(".json", "_profile.json")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {out}; wall {time.time() - t0:.1f} s")
+        return 0
+    # polyrl's paths and FA4 always run; the other peers start only while the budget lasts.
+    core = [i for i in impls if is_ours(i) or i == "fa4"]
+    rest = [i for i in impls if i not in core]
+    rows = []
     for layout in args.layouts.split(","):
-        for w in args.windows.split(","):
-            window = None if w == "none" else int(w)
-            rows += run_case(layout, window, impls, accuracy=not args.no_accuracy)
-    peers = [i for i in impls if i != OURS]
+        for window in windows:
+            rows += run_case(layout, window, core, accuracy=not args.no_accuracy, deadline=float("inf"))
+    for name in rest:  # peer by peer, so a spent budget drops whole peers' later cases, cheapest peers first
+        for layout in args.layouts.split(","):
+            for window in windows:
+                rows += run_case(layout, window, [name], accuracy=not args.no_accuracy,
+                                 deadline=t0 + args.max_wall_s)
+    layouts = args.layouts.split(",")
+    rows.sort(key=lambda r: (layouts.index(r["layout"]), windows.index(r["window"]), impls.index(r["impl"])))
+    peers = [i for i in impls if not is_ours(i)]
     result = {"versions": versions(), "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "dtype": "bfloat16"},
-              "timing": {"quick": args.quick, "do_bench_warmup_ms": args.warmup_ms, "do_bench_rep_ms": args.rep_ms},
+              "timing": {"quick": args.quick, "variants": args.variants, "do_bench_warmup_ms": args.warmup_ms,
+                         "do_bench_rep_ms": args.rep_ms},
               "anchors_ms": {f"{k[0]}/{k[1]}": v for k, v in ANCHORS.items()}, "rows": rows,
-              **compare(rows, peers), "wall_s": round(time.time() - t0, 1)}
+              **compare(rows, peers), "paths": paths(rows), "wall_s": round(time.time() - t0, 1)}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print("\n".join(table_lines(rows)))
     print("\n".join(comparison_lines(rows, peers)))
+    if any(is_ours(i) and i != OURS for i in impls):
+        print("\n".join(path_lines(rows)))
     print(json.dumps(result["versions"]), f"wall {result['wall_s']} s")
     return 0
 

@@ -3,7 +3,9 @@
 ``GptOssConfig()`` defaults (hidden 2880, 64 q / 8 kv heads, 128 experts as in GPT-OSS-120B, vocab 201088)
 cut to two layers (one sliding, one full), bf16, random init, one sequence of 4k and of 16k tokens. For each
 ``attn_implementation`` — "polyrl" (the cuda backend's Triton kernel), "flex_attention", "eager" — the median
-step time and the peak memory (parameters and gradients included). Eager running out of memory at 16k is an
+step time and the peak memory (parameters and gradients included), with transformers' own ``labels=`` loss;
+"polyrl+fused" runs the trainer's loss path instead (fused lm_head + log-prob + entropy, no logits, then DAPO's
+policy loss; ``fused_policy_loss``). Eager running out of memory at 16k is an
 expected result and is reported as such. docs/background.md §8 anchors are printed beside our numbers.
 
     python bench/model_step.py [--seqlens 4096,16384] [--out bench/results/model_step.json]
@@ -70,7 +72,28 @@ def build_model():
     return model, config
 
 
+def fused_policy_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """The trainer's own loss path (``polyrl+fused``): the last hidden states and lm_head weight go to the cuda
+    backend's fused lm_head + log-prob + entropy op (no [T, V] logits), then DAPO's token-mean clipped policy
+    loss with an entropy bonus, as polyrl.core.trainer.update computes it."""
+    from polyrl.backends.cuda.linear_logprobs import triton_linear_logprobs
+    from polyrl.core import algorithms as A
+    from polyrl.core.models.lm_head import fused_logprobs
+
+    T = ids.shape[1]
+    gather = torch.arange(T - 1, device=ids.device)
+    labels = ids[0, 1:]
+    logp, ent = fused_logprobs(model, {"input_ids": ids}, gather, labels, triton_linear_logprobs,
+                               chunk_size=2048, temperature=1.0, compute_entropy=True)
+    mask = torch.ones(1, T - 1, device=ids.device)
+    adv = torch.linspace(-1, 1, T - 1, device=ids.device)[None]
+    pg, _ = A.policy_loss(logp[None], logp.detach()[None], adv, mask, clip_low=0.2, clip_high=0.28)
+    return pg - 0.001 * A.entropy_loss(ent[None], mask)
+
+
 def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
+    fused = impl.endswith("+fused")
+    impl = impl.removesuffix("+fused")
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(impl)
     else:
@@ -82,7 +105,7 @@ def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
     for i in range(steps + 2):  # two warm-up steps (compilation, autotuning)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = fused_policy_loss(model, ids) if fused else model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.cuda.synchronize()
         if i >= 2:
@@ -96,7 +119,8 @@ def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--impls", default="polyrl,flex_attention,eager")
+    ap.add_argument("--impls", default="polyrl+fused,polyrl,flex_attention,eager",
+                    help="attn implementations; '+fused': the loss through polyrl's fused lm_head log-prob path")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="bench/results/model_step.json")
     args = ap.parse_args(argv)
@@ -109,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for seqlen in (int(s) for s in args.seqlens.split(",")):
         for impl in args.impls.split(","):
-            name = polyrl_name if impl == "polyrl" else impl
+            name = impl.replace("polyrl", polyrl_name, 1) if impl.startswith("polyrl") else impl
             row = {"seqlen": seqlen, "impl": impl}
             try:
                 row.update(step_stats(model, name, seqlen, args.steps))

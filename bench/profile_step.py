@@ -6,6 +6,10 @@ and a torch.profiler table (top ops by self device time, or self CPU time on the
 steps, plus the number of kernel launches and host syncs per step.
 
     python bench/profile_step.py recipes/gpt_oss_dapo_tiny.yaml --backend cuda [--steps 20] [--profile-steps 3]
+    torchrun --nproc-per-node 2 bench/profile_step.py ...   # sharded (FSDP2): adds the collectives' time per step
+
+Under torchrun every rank steps and profiles; rank 0 prints and writes the summary, with the device time per
+step of the all-gather / reduce-scatter / all-reduce kernels (NCCL, HCCL, ...) on rank 0.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ def main() -> int:
 
     import torch
 
+    from polyrl.core import distributed as D
     from polyrl.core.config import load_config
     from polyrl.core.plugins.selection import set_active_backend
     from polyrl.core.trainer import Trainer
@@ -43,6 +48,14 @@ def main() -> int:
         overrides.append(f"backend.name={args.backend}")
     cfg = load_config(args.recipe, overrides)
     backend = set_active_backend(cfg.backend.name)
+    D.init_distributed(backend)
+    main_rank = D.is_main_process()
+    if not main_rank:
+        import builtins
+        import os
+
+        builtins.print = lambda *a, **k: None  # one report, rank 0's
+        os.environ["TQDM_DISABLE"] = "1"
     trainer = Trainer(cfg, backend)
     t_built = time.perf_counter() - T0
     rows = [trainer.step()]
@@ -78,10 +91,24 @@ def main() -> int:
         per = args.profile_steps
         print(f"per step: {launches / per:.0f} kernel launches, {syncs / per:.0f} host syncs (item/synchronize)")
         summary.update(launches_per_step=launches / per, syncs_per_step=syncs / per)
-    if args.out:
+        if D.is_distributed() and on_device:
+            comm = {}
+            for e in events:
+                name = e.key.lower()
+                if "nccl" not in name and "hccl" not in name:
+                    continue
+                kind = next((k for k in ("allgather", "reducescatter", "allreduce", "broadcast", "sendrecv")
+                             if k in name.replace("_", "")), "other")
+                comm[kind] = comm.get(kind, 0.0) + e.self_device_time_total / 1e3 / per  # ms per step
+            print("collectives, device ms per step (rank 0): " + ", ".join(f"{k} {v:.2f}" for k, v in comm.items()))
+            summary.update(world_size=D.get_world_size(), collective_ms_per_step=comm)
+    summary["peak_gib_rank0"] = max((r.get("memory/peak_gib", 0.0) for r in rows), default=None)
+    if args.out and main_rank:
         with open(args.out, "w") as f:
             json.dump(summary, f, indent=1)
     del torch
+    D.barrier()
+    D.shutdown_distributed()
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--dry-run] [key.path=value ...]``
+"""``polyrl run RECIPE [--backend NAME] [--output DIR] [--seed N] [--nproc N] [--resume-from step_N] [--dry-run] [key.path=value ...]``
 
 Order matters for the exit-2 contract: the recipe is loaded and validated, the backend resolved, and the
 trainer built (task, data file, models) before the run directory is created or touched; any bad input
@@ -29,6 +29,9 @@ os.environ["OMP_DYNAMIC"] = "FALSE"
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop; rank 0 says how to resume itself
+
+
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None, help="backend name (default: the selection rule)")
     p.add_argument("--output", default=None, help="run directory (default: runs/<recipe>-<time>); reused = resume")
@@ -36,6 +39,9 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=1, help="local processes (torchrun, FSDP2)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the resolved config; run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--resume-from", default=None, metavar="step_N",
+                   help="resume from this checkpoint of --output (step_N, N, or its path) instead of the newest; "
+                        "newer ones are set aside")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -116,13 +122,16 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
     check_config(cfg)
     build_task(cfg)
     check_sharding(backend, args.nproc, cfg.sharding)
+    from polyrl.core.run.checkpoint import check_resume
+
+    check_resume(out / "checkpoints", args.resume_from)  # a refused checkpoint: one line, before any worker
     if cfg.data.batch_size % args.nproc:
         raise BadInputError(
             f"data.batch_size ({cfg.data.batch_size}) must be a multiple of --nproc ({args.nproc}): "
             "each process takes an equal share of the prompts"
         )
     argv = ["run", args.recipe, *args.overrides, "--output", str(out)]  # every rank writes the same directory
-    for flag, value in (("--backend", args.backend), ("--seed", args.seed)):
+    for flag, value in (("--backend", args.backend), ("--seed", args.seed), ("--resume-from", args.resume_from)):
         if value is not None:
             argv += [flag, str(value)]
     if args.no_progress:
@@ -133,6 +142,12 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
         code = launch_torchrun(argv, args.nproc)
     finally:
         lock.release(undo=code == 2)  # bad input seen by a worker: nothing was written, leave no trace
+    if code not in (0, 2) and code - 128 not in STOP_SIGNUMS:  # a worker failed (rank 0 may be the one gone)
+        from polyrl.core.run.checkpoint import latest_checkpoint
+
+        found = latest_checkpoint(out / "checkpoints")
+        resume = f"resumes from {found.name}" if found else "starts over (no complete checkpoint yet)"
+        print(f"polyrl run: the same command {resume}", file=sys.stderr)
     return code
 
 
@@ -148,6 +163,8 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     try:
         rc = _train_in_dir(args, cfg, backend, config_yaml)
         if rc in (0, 1, 2):  # finished, aborted (TrainingAborted) or refused (every rank past the barrier):
+            D.barrier()  # every rank's work is done: a peer that leaves from here on is no failure
+            L.unwatch_peers()
             D.shutdown_distributed()  # leave the process group cleanly. A stopped run may have peers gone
         elif rc > 128 and D.is_distributed():
             # A stopped worker: its files are closed and its lock released; exit without the interpreter's
@@ -165,6 +182,7 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
 def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
+    from polyrl.core.errors import BadInputError
     from polyrl.core.run.checkpoint import latest_checkpoint, load_latest_checkpoint
     from polyrl.core.run.directory import RunDir, RunDirLocked, RunLock, check_unlocked, default_run_dir
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
@@ -173,6 +191,12 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     if args.output and not worker:
         check_unlocked(args.output)  # a live run there: refuse before building anything
     D.init_distributed(backend)
+    if D.is_distributed():  # a peer worker of this host that ends mid-run ends this one at once
+        import socket
+
+        host = socket.gethostname()
+        peers = D.all_gather_object((host, os.getpid()))
+        L.watch_peers(D.get_rank(), {r: pid for r, (h, pid) in enumerate(peers) if h == host and r != D.get_rank()})
     D.setup_rank_logging()  # "[rank R]" on polyrl log lines; below WARNING only rank 0 speaks
     trainer = Trainer(cfg, backend)  # last place bad input can surface: nothing written yet
     out = Path(args.output) if args.output else default_run_dir(_recipe_name(args.recipe))
@@ -194,13 +218,14 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
         D.barrier()
         return 2
     say = (lambda msg: print(f"polyrl run: {msg}", file=sys.stderr)) if D.is_main_process() else (lambda msg: None)
-    say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
     run_dir = RunDir(out, is_main=D.is_main_process())
     wrote = False
     try:
         # Collective on every rank, unconditionally: rank 0 decides (a missing directory means a fresh run)
         # and broadcasts; a per-rank is_dir() test races with rank 0 creating the directory and deadlocks.
-        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(), backend=backend)
+        resumed = load_latest_checkpoint(run_dir.checkpoints, trainer.checkpoint_state(), backend=backend,
+                                         resume_from=args.resume_from)  # verified first; refusal = exit 2
+        say(f"backend {backend.origin()}")  # the run log's first line (after bad input could still surface)
         wrote = True
         run_dir.open(config_yaml, resume_step=resumed)
         from polyrl.core.run.export import save_model_metadata
@@ -216,9 +241,15 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     except TrainingAborted as exc:
         say(f"error: {exc}")
         return 1
+    except BadInputError as exc:  # e.g. a refused checkpoint: the same on every rank (verification is collective)
+        if not D.is_distributed():
+            raise
+        say(f"error: {exc}")  # once, from rank 0
+        return 2
     except BaseException as exc:
         signum = L.stop_signal()
         if signum is None and not isinstance(exc, KeyboardInterrupt):
+            _exit_if_a_peer_is_gone()  # a collective broken by a dead peer: one line, not its traceback
             raise
         # Stopped by a signal (or, on another rank, by a collective broken by a stopping peer). A checkpoint
         # being written was abandoned: only complete ones are ever loaded.
@@ -235,6 +266,26 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     else:
         say(f"nothing to do: {out} is already at step {trainer.state.step}")
     return 0
+
+
+def _exit_if_a_peer_is_gone(wait_s: float = 1.0) -> None:
+    """A collective can fail a moment before the dead peer's process is reaped: look for ``wait_s``."""
+    import time
+
+    from polyrl.core import distributed as D
+    from polyrl.core.distributed import launch as L
+
+    deadline = time.monotonic() + (wait_s if D.is_distributed() else 0.0)
+    while True:
+        gone = L.peer_gone()
+        if gone is not None:
+            print(f"polyrl run: [rank {D.get_rank()}] rank {gone[0]} (pid {gone[1]}) ended in the middle of the run; "
+                  "this rank stops too", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(L.PEER_GONE_EXIT)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
 
 
 def _pin_determinism(backend):

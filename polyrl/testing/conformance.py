@@ -484,6 +484,71 @@ def logprobs_check(backend: Backend, dtype: str) -> Check:
                  "rel err " + ", ".join(errors))
 
 
+# --- the fused lm_head + log-prob kernel -------------------------------------------------------------------------
+# [T, H] hidden states, [V, H] weight: T is not a multiple of the token chunk, V is not one of the vocab chunk, and
+# V is above the chunk so that an online log-sum-exp over vocabulary blocks is exercised.
+LINEAR_SHAPE = (37, 24, 203)  # T, H, V
+LINEAR_CHUNK = 16
+
+
+def linear_logprobs_check(backend: Backend, dtype: str) -> Check:
+    """``backend.linear_logprobs`` against fp64 log_softmax of the full logits of the same ``dtype``-valued
+    hidden states, weight and bias: log-probs, entropies (float32 [T]) and the gradients of hidden, weight and
+    bias of a weighted sum of both, in their inputs' dtypes; ``compute_entropy=False`` gives the same log-probs."""
+    import torch
+
+    from polyrl.core.tolerances import relative_error, tolerance
+
+    dt = _torch_dtype(dtype)
+    T, H, V = LINEAR_SHAPE
+    gen = torch.Generator().manual_seed(1)
+    inputs = [(2 * torch.randn(T, H, generator=gen)).to(dt), (torch.randn(V, H, generator=gen) / H**0.5).to(dt),
+              (0.5 * torch.randn(V, generator=gen)).to(dt)]
+    labels = torch.randint(0, V, (T,), generator=gen)
+    w_lp, w_ent = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
+    ref = [t.double().requires_grad_() for t in inputs]
+    logsm = torch.log_softmax((ref[0] @ ref[1].t() + ref[2]) / LOGPROBS_TEMPERATURE, -1)
+    exp_lp, exp_ent = logsm.gather(-1, labels[:, None])[:, 0], -(logsm.exp() * logsm).sum(-1)
+    (w_lp * exp_lp + w_ent * exp_ent).sum().backward()
+    device = backend.device(0)
+    got = [t.to(device).requires_grad_() for t in inputs]
+    kw = {"chunk_size": LINEAR_CHUNK, "temperature": LOGPROBS_TEMPERATURE}
+    name = f"linear_logprobs {dtype}"
+    try:
+        lp, ent = backend.linear_logprobs(got[0], got[1], labels.to(device), bias=got[2], compute_entropy=True, **kw)
+        (w_lp.to(device) * lp + w_ent.to(device) * ent).sum().backward()
+        lp_only, _ = backend.linear_logprobs(got[0].detach(), got[1].detach(), labels.to(device),
+                                             bias=got[2].detach(), compute_entropy=False, **kw)
+    except Exception as exc:
+        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
+    symptoms = []
+    for what, out in (("log-probs", lp), ("entropies", ent), ("log-probs without entropy", lp_only)):
+        if tuple(out.shape) != (T,) or out.dtype != torch.float32:
+            symptoms.append(f"{what} are {str(out.dtype).removeprefix('torch.')} {list(out.shape)}, expected "
+                            f"float32 [{T}]")
+    if symptoms:
+        return Check(name, FAIL, "; ".join(symptoms))
+    errors = []
+    pairs = [("log-probs", lp, exp_lp, "algorithms.linear_logprobs"),
+             ("entropies", ent, exp_ent, "algorithms.linear_logprobs"),
+             ("log-probs without entropy", lp_only, exp_lp, "algorithms.linear_logprobs")]
+    pairs += [(f"{what} gradient", g.grad, r.grad, "algorithms.linear_logprobs_grad")
+              for what, g, r in zip(("hidden", "weight", "bias"), got, ref)]
+    for what, out, exp, key in pairs:
+        if out is None:
+            symptoms.append(f"no {what} reached its input")
+            continue
+        err, bar = relative_error(out.cpu(), exp.detach()), tolerance(key, dtype)
+        errors.append(f"{what} {err:.1e} (bar {bar:.1e})")
+        if not err <= bar:
+            symptoms.append(f"{what} differ: rel err {err:.1e} (bar {bar:.1e})")
+    wrong = [what for what, g in zip(("hidden", "weight", "bias"), got) if g.grad is not None and g.grad.dtype != dt]
+    if wrong:
+        symptoms.insert(0, f"wrong gradient dtype for {', '.join(wrong)}: expected {dtype}")
+    return Check(name, FAIL if symptoms else PASS, "; ".join(symptoms) + (" | " if symptoms else "") +
+                 "rel err " + ", ".join(errors))
+
+
 def attention_checks(backend: Backend, dtype: str, cases: tuple[AttentionCase, ...] = ATTENTION_CASES
                      ) -> tuple[list[Check], list[CaseResult]]:
     checks, results = [], []
@@ -511,6 +576,7 @@ def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_una
         kernel_checks, results = attention_checks(backend, dtype, cases)
         checks += kernel_checks
         checks.append(logprobs_check(backend, dtype))
+        checks.append(linear_logprobs_check(backend, dtype))
     else:
         checks.append(Check("kernels vs oracle", NOT_RUN, f"backend not available: {avail.reason}"))
     return ConformanceReport(backend.name, checks, allow_unavailable, dtype, results)

@@ -9,6 +9,7 @@ interpreter config uses.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -115,3 +116,136 @@ def test_interpreted_kernels_with_extreme_sinks(lengths, hq, hkv, d, dv, window,
         kind = "attention.forward" if name == "out" else "attention.grad"
         err, bar, ok = check_close(kind, got[name], want[name], torch.float32)
         assert ok, f"{name}: relative error {err:.2e} > {bar:.0e}"
+
+
+# --- the opt-in kernel paths (polyrl.backends.cuda.attention.KernelOptions) -----------------------------------
+def _options(**kw):
+    from polyrl.backends.cuda.attention import KernelOptions
+
+    return KernelOptions(**kw)
+
+
+VARIANTS = {
+    "atomic": {"bwd": "atomic"},
+    "band": {"window_tiles": "band"},
+    "table": {"configs": "table"},
+    "all": {"bwd": "atomic", "window_tiles": "band", "configs": "table"},
+}
+# (variant, lengths, Hq, Hkv, D, Dv, window, sink, dtype). "all" (the three switches together) runs on every
+# layout: causal over several tiles, ragged with 1-token documents, a padded group (G = 3), windows inside a
+# tile / across tiles / of one key / longer than the documents, D != Dv, fp16; each switch alone on a few.
+VARIANT_GRID = [
+    ("all", [70], 4, 1, 16, 16, None, True, torch.float32),
+    ("all", [23, 1, 40, 9], 4, 2, 16, 16, None, True, torch.float32),
+    ("all", [50, 31], 6, 2, 16, 16, 7, True, torch.float32),
+    ("all", [90], 2, 2, 32, 32, 33, False, torch.float32),
+    ("all", [17, 1, 60], 8, 2, 16, 16, 1, True, torch.float32),
+    ("all", [40, 25], 4, 4, 16, 16, 200, True, torch.float32),
+    ("all", [37, 29], 4, 2, 24, 8, 5, True, torch.float32),
+    ("all", [45, 33], 8, 4, 32, 32, 12, True, torch.float16),
+    ("atomic", [23, 1, 40, 9], 4, 2, 16, 16, None, True, torch.float32),
+    ("atomic", [50, 31], 6, 2, 16, 16, 7, True, torch.float32),
+    ("atomic", [64, 19], 4, 1, 16, 16, None, True, torch.float16),
+    ("band", [50, 31], 6, 2, 16, 16, 7, True, torch.float32),
+    ("band", [90], 2, 2, 32, 32, 33, False, torch.float32),
+    ("table", [37, 29], 4, 2, 24, 8, 5, True, torch.float32),
+]
+
+
+@pytest.mark.parametrize(("variant", "lengths", "hq", "hkv", "d", "dv", "window", "sink", "dtype"), VARIANT_GRID)
+def test_interpreted_kernel_paths_match_fp64_oracle(variant, lengths, hq, hkv, d, dv, window, sink, dtype):
+    attn = functools.partial(_attn(), options=_options(**VARIANTS[variant]))
+    q, k, v, sinks, cu, d_out = make_case(lengths, hq, hkv, d, dv, dtype, sink, seed=len(lengths) + hq + d)
+    got, want = run_both(attn, q, k, v, sinks, cu, d_out, window=window)
+    for name in got:
+        kind = "attention.forward" if name == "out" else "attention.grad"
+        err, bar, ok = check_close(kind, got[name], want[name], dtype)
+        assert ok, f"{variant} {name}: relative error {err:.2e} > {bar:.0e}"
+    if sink and dtype == torch.float32:  # the sink gradient stays exact on every path
+        assert torch.allclose(got["dsinks"].double(), want["dsinks"], rtol=1e-5, atol=1e-6)
+
+
+def test_interpreted_atomic_band_paths_with_extreme_sinks():
+    # sinks of +30 and -30 on alternate heads: dominant and negligible in one call
+    q, k, v, _, cu, d_out = make_case([1, 37, 130, 5], 8, 1, 16, 16, torch.float32, False, seed=3)
+    sinks = 30.0 * torch.tensor([(-1.0) ** h for h in range(8)])
+    attn = functools.partial(_attn(), options=_options(**VARIANTS["all"]))
+    got, want = run_both(attn, q, k, v, sinks, cu, d_out, window=3)
+    for name in got:
+        kind = "attention.forward" if name == "out" else "attention.grad"
+        err, bar, ok = check_close(kind, got[name], want[name], torch.float32)
+        assert ok, f"{name}: relative error {err:.2e} > {bar:.0e}"
+
+
+def test_atomic_backward_writes_dk_dv_once_and_dq_close_to_two_pass():
+    """dK/dV are still written by one program each (bitwise equal to the two-pass kernels' sums up to the
+    same fp32 order); dQ differs from the two-pass dQ only by fp32 summation order."""
+    q, k, v, sinks, cu, d_out = make_case([29, 20], 4, 2, 16, 16, torch.float32, True, seed=5)
+    atomic = functools.partial(_attn(), options=_options(bwd="atomic"))
+    first, _ = run_both(atomic, q, k, v, sinks, cu, d_out, window=None)
+    second, _ = run_both(atomic, q, k, v, sinks, cu, d_out, window=None)
+    two_pass, _ = run_both(_attn(), q, k, v, sinks, cu, d_out, window=None)
+    for name in ("out", "dk", "dv"):
+        assert torch.equal(first[name], second[name]), name
+        assert torch.equal(first[name], two_pass[name]), f"{name}: fused and two-pass kernels disagree"
+    torch.testing.assert_close(first["dq"], two_pass["dq"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(first["dsinks"], two_pass["dsinks"], rtol=1e-5, atol=1e-7)
+
+
+def test_kernel_options_from_env_and_refusal(monkeypatch):
+    from polyrl.backends.cuda.attention import KernelOptions
+    from polyrl.core.errors import BadInputError
+
+    monkeypatch.setenv("POLYRL_ATTN_BWD", "atomic")
+    monkeypatch.setenv("POLYRL_ATTN_WINDOW_TILES", "band")
+    monkeypatch.delenv("POLYRL_ATTN_CONFIGS", raising=False)
+    opts = KernelOptions.from_env()
+    assert (opts.bwd, opts.window_tiles, opts.configs) == ("atomic", "band", "first")
+    assert opts.band(128) and opts.band(256) and not opts.band(257) and not opts.band(None)
+    monkeypatch.setenv("POLYRL_ATTN_BWD", "fast")
+    with pytest.raises(BadInputError, match=r"POLYRL_ATTN_BWD.*'fast'.*two_pass, atomic"):
+        KernelOptions.from_env()
+    # the env is read per call: a bad value set after import is refused at the next call, before any kernel
+    q, k, v, _, cu, _ = make_case([8], 2, 1, 16, 16, torch.float32, False, seed=0)
+    with pytest.raises(BadInputError, match="POLYRL_ATTN_BWD"):
+        _attn()(q, k, v, cu, scale=0.25, window=None, sinks=None)
+
+
+def test_band_bounds_are_exact():
+    """band_key_range / band_query_range against brute force over ragged documents, windows and tile starts:
+    the range is exactly [first, last + 1) of the keys (queries) that some row of the tile can see."""
+    from bounds_probe import band_bounds_probe as probe
+
+    lengths, block = [5, 1, 23, 2, 14], 4
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    t = int(cu[-1])
+    doc = torch.searchsorted(cu[1:], torch.arange(t), right=True)
+    start, end = cu[doc].int(), cu[doc + 1].int()
+    for w in (1, 3, 4, 9, 100):
+        out = torch.zeros(t, 4, dtype=torch.int32)
+        probe[(t,)](start, end, out, t, w, BLOCK=block)
+        for a in range(t):
+            rows = range(a, min(a + block, t))
+            keys = [j for i in rows for j in range(t) if start[i] <= j <= i and i - j < w]
+            assert out[a, :2].tolist() == [min(keys), max(keys) + 1], (w, a)
+            cols = range(a, min(a + block, t))
+            queries = [i for j in cols for i in range(t) if start[i] <= j <= i and i - j < w]
+            assert out[a, 2:].tolist() == [min(queries), max(queries) + 1], (w, a)
+
+
+def test_config_table_covers_every_kernel_and_head_dim():
+    from polyrl.backends.cuda.kernels import configs
+
+    assert [configs.head_dim_class(d, dv) for d, dv in ((16, 16), (64, 64), (128, 128), (192, 128))] == [
+        64, 64, 128, 256]
+    for kernel in configs.KERNELS:
+        for hd in (64, 128, 256):
+            for band in (False, True):
+                rows = configs._TABLE[(kernel, hd, band)]
+                assert rows, (kernel, hd, band)
+                for m, n, warps, stages in rows:
+                    # power-of-two tiles, a whole GPT-OSS group (G_P = 8) in a row tile, wgmma-sized warps
+                    assert m >= 8 and n >= 16 and m & (m - 1) == 0 and n & (n - 1) == 0, (kernel, hd, m, n)
+                    assert warps in (4, 8) and 1 <= stages <= 5
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        configs.table_configs("bwd", 64, 64, False)

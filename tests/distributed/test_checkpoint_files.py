@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
@@ -131,7 +132,11 @@ def test_malicious_metadata_is_refused_without_running_it(tmp_path: Path) -> Non
     C.save_checkpoint(tmp_path, 1, s)
     meta = tmp_path / "step_00000001" / ".metadata"
     meta.write_bytes(pickle.dumps(_Boom(tmp_path / "ran")))
-    with pytest.raises(BadInputError, match=r"(posix|os)\.system"):
+    with pytest.raises(BadInputError, match=r"step_00000001/\.metadata: truncated"):
+        C.load_latest_checkpoint(tmp_path, _state())
+    assert not (tmp_path / "ran").exists()
+    _strip_records(tmp_path / "step_00000001")  # a checkpoint from before the marker recorded files
+    with pytest.raises(BadInputError, match=r"\.metadata: references (posix|os)\.system, which polyrl refuses"):
         C.load_latest_checkpoint(tmp_path, _state())
     assert not (tmp_path / "ran").exists()
 
@@ -141,9 +146,18 @@ def test_malicious_extra_file_is_refused(tmp_path: Path) -> None:
     C.save_checkpoint(tmp_path, 1, s)
     extra = tmp_path / "step_00000001" / "extra" / "rank_0.pt"
     torch.save({"x": _Boom(tmp_path / "ran")}, extra)
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(BadInputError, match=r"extra/rank_0\.pt: (truncated|size changed|checksum)"):
+        C.load_latest_checkpoint(tmp_path, _state())
+    _strip_records(tmp_path / "step_00000001")
+    with pytest.raises(BadInputError, match=r"extra/rank_0\.pt: references (posix|os)\.system, which polyrl refuses"):
         C.load_latest_checkpoint(tmp_path, _state())
     assert not (tmp_path / "ran").exists()
+
+
+def _strip_records(step_dir: Path) -> None:
+    """Rewrite COMPLETE as polyrl wrote it before it recorded sizes and checksums."""
+    marker = json.loads((step_dir / C.COMPLETE_MARKER).read_text())
+    (step_dir / C.COMPLETE_MARKER).write_text(json.dumps({k: marker[k] for k in ("step", "world_size", "time")}))
 
 
 def test_state_that_would_need_unpickling_is_refused_at_save(tmp_path: Path) -> None:

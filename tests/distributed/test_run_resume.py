@@ -5,6 +5,7 @@ same command, resumed across process counts, and exported.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -157,3 +158,54 @@ def test_dynamic_sampling_on_two_processes_matches_one(tmp_path: Path) -> None:
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     # the filter really acted (step 3 of this seed regenerates after dropping uniform groups)
     assert sum(m["dapo/groups_filtered"] for m in runs[1]) > 0 and max(m["dapo/gen_batches"] for m in runs[1]) > 1
+
+
+def _worker_pids(launcher: int) -> dict[int, int]:
+    """{RANK: pid} of the torchrun workers below ``launcher`` (read from each process's environment)."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get("POLYRL_LAUNCHER_PID") == str(launcher) and "RANK" in env and "LOCAL_RANK" in env:
+            found[int(env["RANK"])] = int(proc.name)
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads worker environments from /proc")
+def test_a_worker_killed_mid_step_stops_every_rank_with_one_line_each_then_resumes(
+    reference: list[dict], tmp_path: Path
+) -> None:
+    import signal
+    import subprocess
+    import time
+
+    from dist_procs import child_env as env_of
+
+    cmd = run_cmd(tmp_path, nproc=2)
+    proc = subprocess.Popen(cmd, env=env_of(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 150
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):  # the kill lands inside step 4
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "step 3 never logged"
+        time.sleep(0.05)
+    pids = _worker_pids(proc.pid)
+    assert sorted(pids) == [0, 1], pids
+    os.kill(pids[1], signal.SIGKILL)
+    try:
+        _, err = proc.communicate(timeout=60)  # torchrun's own shutdown timeout is 30 s, NCCL's minutes
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGKILL, err[-3000:]
+    lines = [line for line in err.splitlines() if line.startswith("polyrl run:")]
+    assert f"polyrl run: [rank 0] rank 1 (pid {pids[1]}) ended in the middle of the run; this rank stops too" in lines
+    assert f"polyrl run: rank 1 (pid {pids[1]}) was killed by SIGKILL; every rank has stopped" in lines
+    assert lines[-1] == "polyrl run: the same command resumes from step_00000002", lines
+    assert "Traceback" not in err, err[-3000:]
+    run_to_end(cmd)
+    assert_close(read_metrics(tmp_path), reference)

@@ -63,13 +63,37 @@ def test_report_without_optional_metrics_or_config(tmp_path):
 
 
 def test_half_written_last_line_and_non_finite_values_are_tolerated(tmp_path):
-    run = make_run(tmp_path, steps=5, config=False, partial_last_line=True)
+    run = make_run(tmp_path, steps=5, config=False)
     with (run / "metrics.jsonl").open("a") as f:
-        f.write("\n" + json.dumps({"step": 6, "reward/mean": math.nan, "loss/policy": 0.2}) + "\n")
+        f.write(json.dumps({"step": 6, "reward/mean": math.nan, "loss/policy": 0.2}) + "\n")
+        f.write('{"step": 7, "reward/me')  # a run killed while writing its last line
     records, skipped = read_metrics(run)
     assert len(records) == 6 and skipped == 1
     _, md = write_report(run)
     assert "unreadable lines skipped in metrics.jsonl: 1" in md.read_text()
+
+
+@pytest.mark.parametrize("damage", ["garbled_line", "not_utf8", "bad_config"])
+def test_corrupt_files_are_refused_with_one_line_naming_them(tmp_path, capsys, damage):
+    """The checkpoint rule for what report reads: an unreadable line that is not a killed run's last
+    line, or an unreadable config.yaml, is refused (exit 2, one line naming the file), nothing written."""
+    run = make_run(tmp_path, steps=5)
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_bytes().split(b"\n")
+    if damage == "garbled_line":
+        lines[2] = lines[2][:10]
+        named = "metrics.jsonl: line 3 is not a metrics record"
+    elif damage == "not_utf8":
+        lines[3] = lines[3][:5] + b"\xff" + lines[3][6:]
+        named = "metrics.jsonl: line 4 is not UTF-8"
+    else:
+        (run / "config.yaml").write_text("model: [unclosed\n")
+        named = "config.yaml: unreadable"
+    metrics.write_bytes(b"\n".join(lines))
+    assert cli_main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and named in err and "Traceback" not in err
+    assert not (run / "report.png").exists() and not (run / "report.md").exists()
 
 
 def test_cli_report_ok_and_bad_input(tmp_path, capsys):
@@ -92,8 +116,11 @@ def test_cli_report_ok_and_bad_input(tmp_path, capsys):
 def test_metrics_file_without_records_is_bad_input(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("\n[1, 2]\n")
+    (run / "metrics.jsonl").write_text("\n\n")
     with pytest.raises(BadInputError, match="no metric records"):
+        write_report(run)
+    (run / "metrics.jsonl").write_text("\n[1, 2]\n")
+    with pytest.raises(BadInputError, match=r"line 2 is not a metrics record \(not a JSON object\)"):
         write_report(run)
 
 

@@ -17,7 +17,15 @@ import torch
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.plugins import Availability
 from polyrl.core.tolerances import REFERENCE_ATTENTION_ERRORS
-from polyrl.testing.conformance import ATTENTION_CASES, FAIL, NOT_RUN, PASS, logprobs_check, run_conformance
+from polyrl.testing.conformance import (
+    ATTENTION_CASES,
+    FAIL,
+    NOT_RUN,
+    PASS,
+    linear_logprobs_check,
+    logprobs_check,
+    run_conformance,
+)
 
 DUMMY_SRC = Path(__file__).parent.parent / "plugins" / "polyrl_dummy_backend"
 BUGGY_DTYPE = "bfloat16"
@@ -315,6 +323,42 @@ def test_logprobs_kernel_bugs_fail_naming_the_symptom():
     assert check.status == FAIL and check.detail.startswith("log-probs are bfloat16 [3, 40], expected float32")
 
 
+class LinearNoEntropyGradient(CpuBackend):
+    """A fused lm_head kernel whose entropy carries no gradient (a common shortcut: only log-probs' backward)."""
+
+    name = "linear_no_entropy_grad"
+    is_reference = False
+
+    def linear_logprobs(self, hidden, weight, labels, **kw):
+        lp, ent = super().linear_logprobs(hidden, weight, labels, **kw)
+        return lp, ent.detach()
+
+
+class LinearBiasDropped(CpuBackend):
+    """A fused lm_head kernel that ignores the bias."""
+
+    name = "linear_bias_dropped"
+    is_reference = False
+
+    def linear_logprobs(self, hidden, weight, labels, *, bias=None, **kw):
+        return super().linear_logprobs(hidden, weight, labels, bias=None, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_reference_linear_logprobs_kernel_passes(dtype):
+    check = linear_logprobs_check(CpuBackend(), dtype)
+    assert check.status == PASS, check.detail
+    assert any(c.name == f"linear_logprobs {dtype}" for c in run_conformance("cpu", dtype=dtype, cases=()).checks)
+
+
+def test_linear_logprobs_kernel_bugs_fail_naming_the_symptom():
+    check = linear_logprobs_check(LinearNoEntropyGradient(), "bfloat16")
+    assert check.status == FAIL and check.detail.startswith("hidden gradient differ: rel err"), check.detail
+    check = linear_logprobs_check(LinearBiasDropped(), "float32")
+    assert check.status == FAIL and check.detail.startswith("log-probs differ"), check.detail
+    assert "no bias gradient reached its input" in check.detail
+
+
 def _declaration(report, name):
     return next(c for c in report.checks if c.name == name)
 
@@ -351,7 +395,8 @@ def test_declarations_are_checked():
     assert check.status == FAIL and check.detail.startswith("unknown: ['flash']")
     report = run_conformance(DeclaresNativeKernels(), dtype="float32", cases=ATTENTION_CASES[:1])
     assert _declaration(report, "native_kernels is derived from the kernel slots").status == FAIL
-    assert DeclaresNativeKernels().describe()["kernels_fallback"] == ["varlen_attention", "logprobs"]  # truthful
+    assert DeclaresNativeKernels().describe()["kernels_fallback"] == ["varlen_attention", "logprobs",
+                                                                      "linear_logprobs"]  # truthful
     report = run_conformance(KernelTypo(), dtype="float32")
     check = _declaration(report, "kernel paths resolve")
     assert check.status == FAIL and "has no function 'logprobs_and_entropyy'" in check.detail

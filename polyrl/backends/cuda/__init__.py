@@ -1,4 +1,5 @@
-"""The cuda backend: Triton varlen attention with sinks/window/GQA, NCCL, rollout with vLLM (or the hf engine).
+"""The cuda backend: Triton varlen attention with sinks/window/GQA, the fused lm_head log-prob op, NCCL,
+rollout with vLLM (or the hf engine).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -24,6 +25,9 @@ class CudaBackend(Backend):
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm", "triton"})
     is_accelerator = True
     attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
+    # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
+    # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
+    linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
     # vLLM preferred (rollout.engine: auto) where installed; the hf engine otherwise. The vllm engine is the
     # shared polyrl.backends.vllm_engine with the settings below. Not run on a GPU yet: vLLM for CUDA pins its
     # own torch (0.33: torch 2.14) and the H200 we measure on has torch 2.11 (docs/rollout.md).

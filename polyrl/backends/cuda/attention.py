@@ -11,17 +11,100 @@ Design choices:
 - dsink = -sum_i p_sink_i D_i, reduced by torch's fixed-order sum: deterministic like the rest.
 - Dv != D (DeepSeek MLA: 192 / 128): D and Dv are separate constexprs padded to powers of two with masked
   loads; see kernels/README.md for the cost of that route and the faster split it leaves open.
+
+Kernel paths (``KernelOptions``; each defaults to the first value, which is what ran on the H200 before, and
+can be set per call with ``options=`` or per process with an environment variable read at every call):
+- ``bwd`` (``POLYRL_ATTN_BWD``): ``two_pass`` = deterministic dK/dV kernel + dQ kernel; ``atomic`` = one fused
+  kernel adding dQ into an fp32 buffer with atomics (kernels/backward_fused.py): fewer matmuls, dQ and dsink
+  not bitwise reproducible, one more fp32 [T, Hq, D] buffer.
+- ``window_tiles`` (``POLYRL_ATTN_WINDOW_TILES``): ``aligned`` = BLOCK_N-aligned key ranges split in masked
+  edge / interior / diagonal; ``band`` = for windows up to ``BAND_MAX_WINDOW``, one masked loop over the exact
+  band (kernels/bounds.py).
+- ``configs`` (``POLYRL_ATTN_CONFIGS``): ``first`` = each kernel's first Hopper candidate; ``table`` = the
+  per-head-dim table of kernels/configs.py, and q tiles launched heaviest first (forward, dQ).
+  ``POLYRL_TRITON_AUTOTUNE=1`` searches whichever list is active.
 """
 
 from __future__ import annotations
+
+import os
+from dataclasses import dataclass
 
 import torch
 import triton
 
 from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
-from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel
+from polyrl.backends.cuda.kernels.backward_fused import attn_bwd_fused_kernel
+from polyrl.backends.cuda.kernels.configs import table_configs
+from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel, prune_rows
+from polyrl.core.errors import BadInputError
 
 LOG2E = 1.4426950408889634
+# The band path covers windows up to this many keys; longer windows keep the aligned ranges (their interior
+# tiles need no mask, which outweighs the exact bounds).
+BAND_MAX_WINDOW = 256
+# option field -> (environment variable, allowed values; the first is the default)
+OPTION_CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "bwd": ("POLYRL_ATTN_BWD", ("two_pass", "atomic")),
+    "window_tiles": ("POLYRL_ATTN_WINDOW_TILES", ("aligned", "band")),
+    "configs": ("POLYRL_ATTN_CONFIGS", ("first", "table")),
+}
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Which kernel path runs (module docstring). Unknown values are refused with the field's name."""
+
+    bwd: str = "two_pass"
+    window_tiles: str = "aligned"
+    configs: str = "first"
+
+    def __post_init__(self) -> None:
+        for field, (env, allowed) in OPTION_CHOICES.items():
+            value = getattr(self, field)
+            if value not in allowed:
+                raise BadInputError(f"attention kernel option {field} ({env}) = {value!r}: "
+                                    f"expected one of {', '.join(allowed)}")
+
+    @classmethod
+    def from_env(cls) -> KernelOptions:
+        """Options from POLYRL_ATTN_BWD / POLYRL_ATTN_WINDOW_TILES / POLYRL_ATTN_CONFIGS (unset: default)."""
+        return cls(**{f: os.environ.get(env) or allowed[0] for f, (env, allowed) in OPTION_CHOICES.items()})
+
+    def band(self, window: int | None) -> bool:
+        return self.window_tiles == "band" and window is not None and window <= BAND_MAX_WINDOW
+
+    @property
+    def heavy_first(self) -> bool:
+        """The table path also launches q tiles last-first (forward, dQ): causal tiles near a document's end
+        see the most keys, and starting them first leaves light tiles, not heavy ones, for the last wave."""
+        return self.configs == "table"
+
+
+# Autotuners over the table's candidates, built on first use (only under POLYRL_TRITON_AUTOTUNE=1).
+_TABLE_TUNERS: dict[tuple, triton.runtime.Autotuner] = {}
+_TUNE_KEY = ["D", "DV", "G_P", "HAS_WINDOW", "HAS_SINK", "W", "BAND"]
+
+
+def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None) -> None:
+    """Run ``kernel`` (an Autotuner over its first-config list) or, with ``configs="table"``, the same Triton
+    function with the table's config for (name, head-dim class, band); several candidates (autotuning on)
+    go through an Autotuner of their own, cached per candidate list."""
+    if options.configs == "first":
+        kernel[grid](*args, **meta)
+        return
+    configs = table_configs(name, meta["D"], meta["DV"], meta["BAND"])
+    if len(configs) == 1:
+        (config,) = prune_rows(configs, meta)
+        kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        return
+    tuner_key = (name, tuple(str(c) for c in configs))
+    if tuner_key not in _TABLE_TUNERS:
+        _TABLE_TUNERS[tuner_key] = triton.autotune(
+            configs=configs, key=[k for k in _TUNE_KEY if k in kernel.fn.arg_names],
+            prune_configs_by={"early_config_prune": prune_rows}, cache_results=True,
+            reset_to_zero=reset_to_zero)(kernel.fn)
+    _TABLE_TUNERS[tuner_key][grid](*args, **meta)
 
 
 _last_bounds: list = [None, -1, 0, None]  # cu_seqlens object, its version, T, (doc_start, doc_end)
@@ -54,7 +137,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, scale, window, sinks):
+    def forward(ctx, q, k, v, cu_seqlens, scale, window, sinks, options):
         T, Hq, D = q.shape
         Hkv, Dv = k.shape[1], v.shape[2]
         if Hq % Hkv:
@@ -72,17 +155,17 @@ class _VarlenAttention(torch.autograd.Function):
             def grid(meta):
                 return (triton.cdiv(T, max(meta["BLOCK_M"] // G_P, 1)), Hkv)
 
-            attn_fwd_kernel[grid](
+            _launch(attn_fwd_kernel, "fwd", grid, (
                 q, k, v, o, lse, sink_arg, doc_start,
                 T, W, G, scale * LOG2E,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0),
                 o.stride(1),
-                Hq, D=D, DV=Dv, G_P=G_P,
-                BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
-                HAS_WINDOW=window is not None, HAS_SINK=has_sink, DOT_PREC=_dot_precision(q.dtype),
-            )
+                Hq), dict(D=D, DV=Dv, G_P=G_P,
+                          BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
+                          HAS_WINDOW=window is not None, HAS_SINK=has_sink, DOT_PREC=_dot_precision(q.dtype),
+                          BAND=options.band(window), HEAVY_FIRST=options.heavy_first), options)
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, sinks if has_sink else None)
-        ctx.scale, ctx.window, ctx.has_sink = scale, window, has_sink
+        ctx.scale, ctx.window, ctx.has_sink, ctx.options = scale, window, has_sink, options
         return o
 
     @staticmethod
@@ -96,11 +179,18 @@ class _VarlenAttention(torch.autograd.Function):
         W = int(ctx.window) if ctx.window is not None else 0
         has_window = ctx.window is not None
         prec = _dot_precision(q.dtype)
-        dq = torch.empty_like(q)
+        options = ctx.options
+        band = options.band(ctx.window)
+        atomic = options.bwd == "atomic"
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         delta = torch.empty((T, Hq), device=q.device, dtype=torch.float32)
-        d_exact = torch.empty_like(delta)
+        if atomic:  # fp32 accumulators the fused kernel adds into (kernels/backward_fused.py)
+            dq_acc = torch.zeros((T, Hq, D), device=q.device, dtype=torch.float32)
+            d_exact = torch.zeros_like(delta)
+        else:
+            dq = torch.empty_like(q)
+            d_exact = torch.empty_like(delta)
         BLOCK_DV = triton.next_power_of_2(Dv)
         BLOCK_D = triton.next_power_of_2(D)
         if T > 0:
@@ -111,37 +201,44 @@ class _VarlenAttention(torch.autograd.Function):
                 do = do.contiguous()
             bwd_preprocess_kernel[(triton.cdiv(R, block_r),)](
                 o, do, delta, R, o.stride(1), do.stride(1), DV=Dv, BLOCK_R=block_r, BLOCK_DV=BLOCK_DV)
+            meta = dict(D=D, DV=Dv, G_P=G_P, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HAS_WINDOW=has_window,
+                        DOT_PREC=prec, BAND=band)
 
             def grid_dq(meta):
                 return (triton.cdiv(T, max(meta["BLOCK_M"] // G_P, 1)), Hkv)
 
-            attn_bwd_dq_kernel[grid_dq](
-                q, k, v, do, lse, delta, dq, doc_start, d_exact,
-                T, W, G, ctx.scale * LOG2E, ctx.scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-                do.stride(1), dq.stride(0), dq.stride(1),
-                Hq, D=D, DV=Dv, G_P=G_P, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-                HAS_WINDOW=has_window, DOT_PREC=prec,
-            )
-
             def grid_kv(meta):
                 return (triton.cdiv(T, meta["BLOCK_N"]), Hkv)
 
-            attn_bwd_dkdv_kernel[grid_kv](
-                q, k, v, do, lse, delta, dk, dv, doc_start, doc_end,
-                T, W, G, ctx.scale * LOG2E, ctx.scale,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
-                do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                Hq, D=D, DV=Dv, G_P=G_P, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV,
-                HAS_WINDOW=has_window, DOT_PREC=prec,
-            )
+            if atomic:
+                _launch(attn_bwd_fused_kernel, "fused", grid_kv, (
+                    q, k, v, do, lse, delta, dk, dv, dq_acc, d_exact, doc_start, doc_end,
+                    T, W, G, ctx.scale * LOG2E, ctx.scale,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                    do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                    Hq), meta, options, reset_to_zero=["dq_acc_ptr", "d_exact_ptr"])
+            else:
+                _launch(attn_bwd_dq_kernel, "dq", grid_dq, (
+                    q, k, v, do, lse, delta, dq, doc_start, d_exact,
+                    T, W, G, ctx.scale * LOG2E, ctx.scale,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                    do.stride(1), dq.stride(0), dq.stride(1),
+                    Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options)
+                _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, (
+                    q, k, v, do, lse, delta, dk, dv, doc_start, doc_end,
+                    T, W, G, ctx.scale * LOG2E, ctx.scale,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
+                    do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                    Hq), meta, options)
+        if atomic:
+            dq = dq_acc.mul_(ctx.scale).to(q.dtype)  # fp32 inputs: the buffer itself
         dsink = None
         if ctx.has_sink and ctx.needs_input_grad[6]:
             # p_sink_i = exp(s_h - LSE'_i); dsink_h = -sum_i p_sink_i * D_i (fp32, fixed-order reduction), with
             # D_i = dO_i . O'_i from the dQ kernel's fp32 P' dP row sums (not from O' rounded to bf16).
             p_sink = torch.exp(sinks.float()[None, :] - lse)
             dsink = -(p_sink * d_exact).sum(0).to(sinks.dtype)
-        return dq, dk, dv, None, None, None, dsink
+        return dq, dk, dv, None, None, None, dsink, None
 
 
 def triton_varlen_attention(
@@ -153,10 +250,15 @@ def triton_varlen_attention(
     scale: float,
     window: int | None,
     sinks: torch.Tensor | None,
+    options: KernelOptions | None = None,
 ) -> torch.Tensor:
-    """Packed causal attention with optional window and sinks; see the module docstring for the contract."""
+    """Packed causal attention with optional window and sinks; see the module docstring for the contract.
+
+    ``options``: the kernel paths to run; None reads them from the environment (``KernelOptions.from_env``)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("q, k, v must be [T, H, D]")
     if window is not None and window < 1:
         raise ValueError(f"window must be >= 1 or None, got {window}")
-    return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale), window, sinks)
+    if options is None:
+        options = KernelOptions.from_env()
+    return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale), window, sinks, options)

@@ -33,6 +33,7 @@ from polyrl.core.algorithms.kl import (
     compute_kl_in_reward,
     kl_penalty,
 )
+from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.algorithms.logprobs import entropy_from_logits, logprobs_and_entropy, logprobs_from_logits
 from polyrl.core.algorithms.losses import LOG_RATIO_CLAMP, entropy_loss, policy_loss, value_loss
 
@@ -55,6 +56,7 @@ __all__ = [
     "group_stats",
     "kl_penalty",
     "last_token_rewards",
+    "linear_logprobs_and_entropy",
     "logprobs_and_entropy",
     "logprobs_from_logits",
     "masked_mean",

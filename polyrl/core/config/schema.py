@@ -24,6 +24,10 @@ class ModelConfig:
     # "batched_mm" has no data-dependent shapes: no host syncs, a fixed launch count (tiny models on a GPU).
     experts_implementation: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Log-probs and entropy straight from the last hidden states and the lm_head weight (the backend's
+    # linear_logprobs kernel), never the [tokens, vocab] logits. auto: where the model allows it (an nn.Linear
+    # lm_head, no logit post-processing); true: required (refused otherwise); false: the logits path.
+    fused_logprobs: bool | Literal["auto"] = "auto"
     # Architecture keys passed to the model config (hidden_size, num_hidden_layers, ...).
     overrides: dict[str, Any] = field(default_factory=dict)
     # Critic (PPO): same architecture as the actor unless named; a scalar value head on top.

@@ -264,6 +264,79 @@ def check_lifeline() -> None:
         _kill_self()
 
 
+# --- peers: a worker that ends takes the run down at once ----------------------------------------------
+class _PeerWatch(threading.Thread):
+    """Ends this worker (one line on stderr, exit 1) the moment a peer worker on this host ends.
+
+    Without it a rank whose peer died waits inside a collective: over gloo until the broken connection
+    surfaces as a traceback, over NCCL until torchrun's agent kills it (its SIGTERM cannot run a Python
+    handler while the main thread waits in C++) or the NCCL timeout. The collectives release the GIL while
+    they wait, so this thread runs. Disarmed once every rank has finished its work (``unwatch_peers``),
+    so a peer that leaves first at the end of a run is no failure.
+    """
+
+    def __init__(self, rank: int, peers: Mapping[int, int]) -> None:
+        super().__init__(name="polyrl-peers", daemon=True)
+        self.rank, self.peers = rank, dict(peers)
+        self.armed = threading.Event()
+        self.armed.set()
+
+    def gone(self) -> tuple[int, int] | None:
+        return next(((r, p) for r, p in sorted(self.peers.items()) if not _alive(p)), None)
+
+    def run(self) -> None:
+        fds = []
+        if hasattr(os, "pidfd_open"):
+            for pid in self.peers.values():
+                with contextlib.suppress(OSError):
+                    fds.append(os.pidfd_open(pid))
+        import select
+
+        poller = select.poll() if fds and hasattr(select, "poll") else None
+        for fd in fds:
+            poller.register(fd, select.POLLIN)  # type: ignore[union-attr]
+        while self.armed.is_set():
+            found = self.gone()
+            if found is not None and self.armed.is_set():
+                peer_rank, pid = found
+                sys.stderr.write(
+                    f"polyrl run: [rank {self.rank}] rank {peer_rank} (pid {pid}) ended in the middle of the run; "
+                    "this rank stops too\n"
+                )
+                sys.stderr.flush()
+                os._exit(PEER_GONE_EXIT)
+            if poller is not None:
+                poller.poll(200)
+            else:
+                time.sleep(0.2)
+
+
+PEER_GONE_EXIT = 1
+_peer_watch: _PeerWatch | None = None
+
+
+def watch_peers(rank: int, peers: Mapping[int, int]) -> None:
+    """Watch the other workers of this host (``{rank: pid}``); see ``_PeerWatch``. Idempotent."""
+    global _peer_watch
+    if _peer_watch is not None or not peers:
+        return
+    _peer_watch = _PeerWatch(rank, peers)
+    _peer_watch.start()
+
+
+def unwatch_peers() -> None:
+    """Every rank is done (call after a barrier): peers may now leave in any order."""
+    global _peer_watch
+    if _peer_watch is not None:
+        _peer_watch.armed.clear()
+        _peer_watch = None
+
+
+def peer_gone() -> tuple[int, int] | None:
+    """``(rank, pid)`` of a watched peer that has ended, or None (also when nothing is watched)."""
+    return _peer_watch.gone() if _peer_watch is not None else None
+
+
 # --- stopping on a signal ------------------------------------------------------------------------------
 _stop_signal: int | None = None
 
@@ -320,8 +393,15 @@ def _agent_main(args: Sequence[str]) -> int:
     try:
         run(parse_args(list(args)))
     except ChildFailedError as exc:
-        _, failure = exc.get_first_failure()
+        # The first failure; timestamps are whole seconds, so among equals prefer one that is not a rank
+        # stopping because its peer had gone (the cause, not the consequence).
+        rank, failure = min(exc.failures.items(),
+                            key=lambda kv: (kv[1].timestamp, kv[1].exitcode == PEER_GONE_EXIT, kv[0]))
         code = failure.exitcode
+        if code != 2:  # bad input: the worker said it in one line already
+            how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"
+            sys.stderr.write(f"polyrl run: rank {rank} (pid {failure.pid}) {how}; every rank has stopped\n")
+            sys.stderr.flush()
         return 128 - code if code < 0 else (code or 1)
     except SignalException as exc:
         return 128 + int(exc.sigval)

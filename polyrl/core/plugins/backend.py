@@ -4,8 +4,8 @@ A backend is a small class, registered through the ``polyrl_register_backends`` 
 construct and must not touch a device in ``__init__`` or ``detect``: detection reads what is installed
 and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
-Kernels are named, not implemented, by the class: ``attention_kernel`` and ``logprobs_kernel`` are
-``"module:function"`` paths (imported on first call, so vendor modules load only when a kernel runs). A slot
+Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel`` and
+``linear_logprobs_kernel`` are ``"module:function"`` paths (imported on first call, so vendor modules load only when a kernel runs). A slot
 left at its default runs the reference implementation in core. ``native_kernels`` is derived from the slots —
 a kernel is native when its slot names another function than the reference (or the method is overridden) —
 and ``polyrl backends`` lists the rest as falling back to the reference (``kernels_fallback``). A slot that
@@ -29,11 +29,13 @@ if TYPE_CHECKING:
 
 # The kernels a backend may provide, the class attribute naming each, and the reference implementation in core
 # that runs when the slot is left at its default.
-KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs")
-KERNEL_SLOTS: dict[str, str] = {"varlen_attention": "attention_kernel", "logprobs": "logprobs_kernel"}
+KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs")
+KERNEL_SLOTS: dict[str, str] = {"varlen_attention": "attention_kernel", "logprobs": "logprobs_kernel",
+                                "linear_logprobs": "linear_logprobs_kernel"}
 REFERENCE_KERNELS: dict[str, str] = {
     "varlen_attention": "polyrl.core.attention.reference:reference_varlen_attention",
     "logprobs": "polyrl.core.algorithms.logprobs:logprobs_and_entropy",
+    "linear_logprobs": "polyrl.core.algorithms.linear_logprobs:linear_logprobs_and_entropy",
 }
 
 # The capability vocabulary (docs/plugins.md): what each name in ``Backend.capabilities`` promises. Names outside
@@ -186,6 +188,9 @@ class Backend:
     # "module:function" of the log-prob kernel, with the signature of
     # polyrl.core.algorithms.logprobs.logprobs_and_entropy (the default: that chunked fp32 reference).
     logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["logprobs"]
+    # "module:function" of the fused lm_head + log-prob + entropy kernel, with the signature of
+    # polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy (the default: that chunked reference).
+    linear_logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["linear_logprobs"]
 
     # Filled in by the plugin manager: the distribution the backend came from.
     distribution: str = ""
@@ -239,6 +244,24 @@ class Backend:
         """This backend's settings for ``engine`` (the vLLM engine reads ``polyrl.backends.vllm_engine.VllmSettings``
         fields from it: environment, memory utilisation, sleep level, in-place sync); {} for the defaults."""
         return {}
+
+    def linear_logprobs(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        bias: torch.Tensor | None = None,
+        chunk_size: int = 1024,
+        temperature: float = 1.0,
+        compute_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logprobs`` of the logits ``hidden @ weight.T + bias`` without materialising them: hidden [..., T, H],
+        weight [V, H] -> fp32 (logp, entropy) [..., T], differentiable in hidden, weight and bias (contract:
+        polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy). Runs ``linear_logprobs_kernel``."""
+        kernel = resolve_kernel(self.linear_logprobs_kernel)
+        return kernel(hidden, weight, labels, bias=bias, chunk_size=chunk_size, temperature=temperature,
+                      compute_entropy=compute_entropy)
 
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:

@@ -122,9 +122,11 @@ class RunLock:
     worker must not wait on its own launcher's lock).
     """
 
-    def __init__(self, run_dir: Path, fd: int | None, *, created_dir: bool, created_file: bool) -> None:
+    def __init__(self, run_dir: Path, fd: int | None, *, created_dir: bool, created_file: bool,
+                 previous: bytes = b"") -> None:
         self.run_dir, self._fd = run_dir, fd
         self._created_dir, self._created_file = created_dir, created_file
+        self._previous = previous  # the lock file's record before this holder wrote its own
 
     @property
     def held(self) -> bool:
@@ -163,18 +165,24 @@ class RunLock:
                         raise _locked_error(run_dir, holder) from None
                     time.sleep(0.05)
             record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+            previous = b"" if created_file else os.pread(fd, 1 << 16, 0)
             os.ftruncate(fd, 0)
             os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         except BaseException:
             os.close(fd)
             raise
-        return cls(run_dir, fd, created_dir=created_dir, created_file=created_file)
+        return cls(run_dir, fd, created_dir=created_dir, created_file=created_file, previous=previous)
 
     def release(self, *, undo: bool = False) -> None:
-        """Release the lock. ``undo``: the run wrote nothing (bad input found late): remove the lock file
-        and the directory when this lock created them, so a refused run leaves no trace."""
+        """Release the lock. ``undo``: the run wrote nothing (bad input found late, e.g. a checkpoint that
+        fails verification): remove the lock file and the directory when this lock created them, else put
+        the previous holder's record back, so a refused run leaves every file as it found it."""
         if self._fd is None:
             return
+        if undo and not self._created_file:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, self._previous, 0)
         if undo and self._created_file:
             with contextlib.suppress(OSError):
                 (self.run_dir / LOCK_FILE).unlink()

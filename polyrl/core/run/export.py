@@ -5,7 +5,8 @@ config and the tokenizer files into ``<ckpt_root>/hf/`` (JSON and tokenizer file
 ``export_checkpoint`` rebuilds the model from that config with transformers (no network, no remote
 code), loads the actor weights from the DCP checkpoint (any world size: DCP gathers the shards into the
 full tensors), and writes ``save_pretrained`` output that ``AutoModelForCausalLM.from_pretrained``
-loads. Nothing on the way unpickles: the config and tokenizer are JSON, the weights come through
+loads. The checkpoint is verified first (sizes, checksums, structure, shapes against the config), exactly
+as a resume verifies it. Nothing on the way unpickles: the config and tokenizer are JSON, the weights come through
 polyrl.core.run.checkpoint's safe reader, and the output is safetensors.
 """
 
@@ -19,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
-from polyrl.core.run.checkpoint import load_model_weights, resolve_checkpoint
+from polyrl.core.run.checkpoint import load_model_weights, refusal, resolve_checkpoint
+from polyrl.core.run.integrity import CheckpointRefused
 
 if TYPE_CHECKING:
     from torch import nn
@@ -96,7 +98,9 @@ def export_checkpoint(
 ) -> Path:
     """Write the actor of ``checkpoint`` (a step dir, a checkpoints dir or a run dir) to ``out_dir``.
 
-    Refuses a non-empty ``out_dir`` (BadInputError) rather than mixing two models' files.
+    Refuses a non-empty ``out_dir`` (BadInputError) rather than mixing two models' files, and a checkpoint
+    that fails verification (``polyrl.core.run.integrity``), naming the file and the newest earlier
+    checkpoint that verifies; it never exports that one in its place.
     """
 
     step_dir = resolve_checkpoint(checkpoint)
@@ -106,7 +110,14 @@ def export_checkpoint(
         raise BadInputError(f"output directory {str(out)!r} is not empty")
     out_dtype = torch_dtype(dtype, what="export dtype")  # checked before anything is read or written
     model = build_model_from_metadata(meta_dir)
-    load_model_weights(step_dir, model)
+    try:
+        load_model_weights(step_dir, model)  # verified before a weight is touched
+    except CheckpointRefused as exc:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        how = "export it with polyrl export {path} " + str(out)
+        step = int(step_dir.name.split("_")[1])
+        raise refusal(exc, step_dir.parent, step, how, {"model": get_model_state_dict(model)}) from None
     model = model.to(out_dtype)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)

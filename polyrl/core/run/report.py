@@ -2,7 +2,8 @@
 
 Design choice: the report reads only the run directory's files (``metrics.jsonl`` and, when present,
 ``config.yaml``), never the trainer's objects, so it works on a finished run, a crashed one (a
-half-written last line is skipped) or one still in progress, and on runs from another machine.
+half-written last line is skipped, and said so) or one still in progress, and on runs from another
+machine. What cannot be read is refused with one line naming the file, as for checkpoints.
 Panels are chosen by metric name and drawn only when the run logged them: a GRPO run has no value
 loss, a run without KL has no KL panel. Plotting uses matplotlib's object API on the Agg canvas (no
 pyplot global state, no display needed).
@@ -43,10 +44,13 @@ def _finite(value: Any) -> bool:
 
 
 def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
-    """The run's metric records and the number of unreadable lines skipped (e.g. a half-written last one).
+    """The run's metric records and the number of unreadable lines skipped (0 or 1: a half-written last line).
 
-    A file that holds a step twice is refused (``BadInputError``): ``polyrl run`` writes each step once,
-    so duplicates mean two histories were mixed (two runs at once, or a file from an older polyrl).
+    The same rule as for checkpoints: what cannot be read is refused with one line naming the file and
+    what is wrong (``BadInputError``), never skipped silently. The one exception is the last line when it
+    has no newline: a run killed while writing it leaves exactly that, and the summary says it was
+    skipped. An unreadable line anywhere else, or a step held twice (``polyrl run`` writes each step once:
+    two runs at once, or a file from an older polyrl), is refused.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -54,29 +58,38 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise BadInputError(f"run directory {run_dir}: no {METRICS_FILE} (has the run started?)")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[: exc.start].count(b"\n") + 1
+        raise BadInputError(f"{path}: line {line} is not UTF-8 text (byte {exc.start}); the file is corrupt") from None
+    except OSError as exc:
+        raise BadInputError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    lines = text.split("\n")  # the last item is "" when the file ends with a newline
     records, skipped = [], 0
     seen: dict[Any, int] = {}  # step -> line number of its first record
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                skipped += 1
-                continue
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
             if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as exc:
+            if lineno == len(lines):  # no newline after it: a half-written last line of a killed run
                 skipped += 1
                 continue
-            step = record.get("step")
-            if _finite(step):
-                if step in seen:
-                    # Two histories in one file (two runs at once, or a resume that did not cut the file
-                    # back): any plot of it would be garbage.
-                    raise BadInputError(f"{path}: step {step:g} appears twice (lines {seen[step]} and {lineno}); "
-                                        "a metrics file must hold each step once")
-                seen[step] = lineno
-            records.append(record)
+            raise BadInputError(f"{path}: line {lineno} is not a metrics record ({str(exc).splitlines()[0]}); "
+                                "the file is corrupt") from None
+        step = record.get("step")
+        if _finite(step):
+            if step in seen:
+                # Two histories in one file (two runs at once, or a resume that did not cut the file
+                # back): any plot of it would be garbage.
+                raise BadInputError(f"{path}: step {step:g} appears twice (lines {seen[step]} and {lineno}); "
+                                    "a metrics file must hold each step once")
+            seen[step] = lineno
+        records.append(record)
     if not records:
         raise BadInputError(f"{path}: no metric records")
     return records, skipped
@@ -159,10 +172,10 @@ def _config_lines(run_dir: Path, limit: int = 80) -> list[str]:
 
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        return [f"(config.yaml unreadable: {str(exc).splitlines()[0]})"]
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as exc:
+        raise BadInputError(f"{path}: unreadable ({str(exc).splitlines()[0]}); the file is corrupt") from None
     if not isinstance(config, dict):
-        return ["(config.yaml is not a mapping)"]
+        raise BadInputError(f"{path}: not a mapping of recipe keys; the file is corrupt")
     items = [(k, v) for k, v in _flatten(config) if not isinstance(v, (list, dict)) or not v]
     lines = ["| key | value |", "|---|---|"]
     lines += [f"| `{k}` | {json.dumps(v) if not isinstance(v, str) else v} |" for k, v in items[:limit]]
@@ -220,10 +233,12 @@ def write_report(run_dir: str | Path) -> tuple[Path, Path]:
     ``metrics.jsonl`` holds one JSON object per step (``step``, ``reward/mean``, ``loss/policy``,
     optionally ``loss/value``, ``actor/kl`` or ``kl/*``, ``actor/pg_clipfrac``,
     ``actor/pg_clipfrac_lower``, ``response/length_mean``, ``dapo/*``, ``time/step_s``, ...); whatever
-    exists is plotted. Raises ``BadInputError`` for a missing run directory or metrics file.
+    exists is plotted. Raises ``BadInputError`` (before writing anything) for a missing run directory or
+    metrics file, and for a metrics or config file that cannot be read (``read_metrics``).
     """
     run_dir = Path(run_dir)
     records, skipped = read_metrics(run_dir)
+    _config_lines(run_dir)  # a corrupt config.yaml is refused before anything is written
     png_path, md_path = run_dir / PNG_FILE, run_dir / MD_FILE
     panels = plot(records, png_path)
     md_path.write_text(summarize(records, run_dir, panels, skipped), encoding="utf-8")

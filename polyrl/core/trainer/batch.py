@@ -18,6 +18,7 @@ import torch
 
 from polyrl.core import algorithms as A
 from polyrl.core.attention.op import validate_cu_seqlens
+from polyrl.core.models.lm_head import fused_logprobs
 
 
 @dataclasses.dataclass
@@ -154,18 +155,23 @@ def policy_forward(
     chunk_size: int,
     compute_entropy: bool,
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = A.logprobs_and_entropy,
+    linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [b, R] of the responses of ``rows`` under ``model`` (differentiable).
 
-    ``logprobs``: the log-prob kernel (the trainer passes its backend's ``Backend.logprobs``; the default is
-    the reference)."""
+    ``logprobs``: the log-prob kernel on logits (the trainer passes its backend's ``Backend.logprobs``; the
+    default is the reference). ``linear_logprobs``: when given (``Backend.linear_logprobs``), the fused path
+    instead: the model's last hidden states and lm_head weight go to it and no logits are made
+    (polyrl.core.models.lm_head)."""
     device = next(model.parameters()).device
     kwargs, gather, dst, labels = _layout(batch, rows, packed, pad_id, device)
-    logits = model(**kwargs, use_cache=False).logits  # [1, T, V] or [b, L, V]
-    sel = logits.reshape(-1, logits.shape[-1]).index_select(0, gather)  # [N, V]: response positions only
-    logp, ent = logprobs(
-        sel, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy
-    )
+    kw = dict(chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
+    if linear_logprobs is not None:
+        logp, ent = fused_logprobs(model, kwargs, gather, labels, linear_logprobs, **kw)
+    else:
+        logits = model(**kwargs, use_cache=False).logits  # [1, T, V] or [b, L, V]
+        sel = logits.reshape(-1, logits.shape[-1]).index_select(0, gather)  # [N, V]: response positions only
+        logp, ent = logprobs(sel, labels, **kw)
     R = batch.mask.shape[1]
     return _scatter(logp, dst, len(rows), R), _scatter(ent, dst, len(rows), R)
 

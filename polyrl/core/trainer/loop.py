@@ -21,6 +21,7 @@ import torch
 from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
+from polyrl.core.models.lm_head import fused_kernel_for
 from polyrl.core.rollout import build_engine, resolve_engine
 from polyrl.core.trainer import sync
 from polyrl.core.trainer.batch import SequenceBatch, forward_all, policy_forward, value_forward
@@ -77,7 +78,10 @@ class Trainer:
             task_rng=self.state.task_rng, device=self.device,
         )
         m, c = self.models, self.state.counters
-        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs)
+        # model.fused_logprobs: the backend's fused lm_head + log-prob kernel (no [T, V] logits), or None
+        self.fused = fused_kernel_for(cfg.model.fused_logprobs, m.actor, backend)
+        self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs,
+                             self.fused)
         self.critic = Learner(m.critic, m.critic_optimizer, self.state.shuffle_gen, c, packed, pad_id) if m.critic else None
         # every sync into an engine with its own weights is checked on this probe (polyrl.core.trainer.sync)
         actor_cfg = getattr(m.actor, "config", None)
@@ -130,7 +134,7 @@ class Trainer:
 
     def _probe_kwargs(self) -> dict[str, Any]:
         return dict(packed=self.actor.packed, pad_id=self.actor.pad_id, chunk_size=self.cfg.trainer.logprob_chunk_size,
-                    logprobs=self.backend.logprobs)
+                    logprobs=self.backend.logprobs, linear_logprobs=self.fused)
 
     def _learn(self, batch: SequenceBatch, scores: torch.Tensor) -> dict[str, float]:
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -140,7 +144,8 @@ class Trainer:
         mask = batch.mask
         fw = self._forward_kwargs()
         lp = dict(temperature=cfg.rollout.temperature, chunk_size=cfg.trainer.logprob_chunk_size,
-                  logprobs=self.backend.logprobs)  # the backend's log-prob kernel (reference by default)
+                  logprobs=self.backend.logprobs,  # the backend's log-prob kernel (reference by default)
+                  linear_logprobs=self.fused)
         # 3. old log-probs (the trainer's view of the behaviour policy), reference, critic values
         ent = torch.zeros_like(mask)
 

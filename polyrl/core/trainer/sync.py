@@ -44,9 +44,9 @@ def probe_sequences(config: Any, vocab_size: int, *, max_len: int, seed: int = 1
 
 
 def trainer_logprobs(model: Any, sequences: list[list[int]], *, packed: bool, pad_id: int, chunk_size: int,
-                     logprobs: Any) -> list[list[float]]:
+                     logprobs: Any, linear_logprobs: Any = None) -> list[list[float]]:
     """The trainer's log-probs (temperature 1) of ``sequences[i][t]`` for t >= 1, through the trainer's own
-    forward (``policy_forward``: same attention, packing and log-prob kernel as training)."""
+    forward (``policy_forward``: same attention, packing and log-prob kernels as training)."""
     batch = SequenceBatch.from_rollout([s[:1] for s in sequences], [s[1:] for s in sequences],
                                        [[0.0] * (len(s) - 1) for s in sequences], list(range(len(sequences))),
                                        device=next(model.parameters()).device)
@@ -56,7 +56,7 @@ def trainer_logprobs(model: Any, sequences: list[list[int]], *, packed: bool, pa
         with torch.no_grad():
             logp, _ = policy_forward(model, batch, list(range(len(sequences))), packed=packed, pad_id=pad_id,
                                      temperature=1.0, chunk_size=chunk_size, compute_entropy=False,
-                                     logprobs=logprobs)
+                                     logprobs=logprobs, linear_logprobs=linear_logprobs)
     finally:
         model.train(was_training)
     rows = logp.float().cpu().tolist()

@@ -99,6 +99,8 @@ class Learner:
     packed: bool
     pad_id: int
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # the backend's log-prob kernel
+    # the backend's fused lm_head + log-prob kernel when model.fused_logprobs selects it (no logits made)
+    linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 def update_actor(
@@ -113,6 +115,7 @@ def update_actor(
             model, batch, rows, packed=actor.packed, pad_id=actor.pad_id, temperature=cfg.rollout.temperature,
             chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=alg.entropy_coeff > 0,
             **({"logprobs": actor.logprobs} if actor.logprobs is not None else {}),
+            linear_logprobs=actor.linear_logprobs,
         )
         mask, old, adv = batch.mask[rows], old_logp[rows], advantages[rows]
         agg = dict(agg=alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq, max_len=cfg.rollout.max_response_length)

@@ -8,7 +8,8 @@ dK/dV: program = (BLOCK_N keys, kv head). It walks the q tiles that can see its 
 (token, head-of-the-group) pairs exactly as in the forward — so the sum over the G query heads of the group
 happens in the fp32 dK/dV registers; nothing of size Hq x T x D is ever materialised.
 dQ: program = (q tile, kv head), the forward's key walk again. Each output element is written by exactly one
-program, so the backward is deterministic.
+program, so the backward is deterministic. ``BAND`` (short windows, opt-in): one masked loop over the exact band
+instead of the three aligned ranges (bounds.py). backward_fused.py holds the opt-in atomic alternative.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from polyrl.backends.cuda.kernels.bounds import key_ranges
+from polyrl.backends.cuda.kernels.bounds import band_key_range, band_query_range, key_ranges
 from polyrl.backends.cuda.kernels.configs import dkdv_configs, dq_configs
 from polyrl.backends.cuda.kernels.forward import prune_rows
 
@@ -60,7 +61,7 @@ def _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, sta
     return dq, d_exact
 
 
-@triton.autotune(configs=dq_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
+@triton.autotune(configs=dq_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W", "BAND"],
                  prune_configs_by={"early_config_prune": prune_rows}, cache_results=True)
 @triton.jit(do_not_specialize=["T"])
 def attn_bwd_dq_kernel(
@@ -70,11 +71,13 @@ def attn_bwd_dq_kernel(
     stride_dqt, stride_dqh,
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
     pid_t = tl.program_id(0)
+    if HEAVY_FIRST:  # causal: the last q tiles see the most keys; start them first, end on light ones
+        pid_t = tl.num_programs(0) - 1 - pid_t
     kvh = tl.program_id(1)
     a = pid_t * BLOCK_T
     offs_r = tl.arange(0, BLOCK_M)
@@ -97,18 +100,28 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     d_exact = tl.zeros([BLOCK_M], tl.float32)
 
-    k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)  # as the forward
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    for start_n in range(k_start, s1, BLOCK_N):
-        dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
-                      qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW, DOT_PREC)
-    for start_n in range(s1, s2, BLOCK_N):
-        dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
-                      qk_scale, offs_n, offs_d, offs_dv, D, DV, False, HAS_WINDOW, DOT_PREC)
-    for start_n in range(s2, k_end, BLOCK_N):
-        dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
-                      qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW, DOT_PREC)
+    if BAND:
+        k_lo, k_hi = band_key_range(doc_start_ptr, a, T, W, BLOCK_T)  # as the forward
+        for start_n in range(k_lo, k_hi, BLOCK_N):
+            dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW,
+                                   DOT_PREC)
+    else:
+        k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)  # as the forward
+        for start_n in range(k_start, s1, BLOCK_N):
+            dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW,
+                                   DOT_PREC)
+        for start_n in range(s1, s2, BLOCK_N):
+            dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, False, HAS_WINDOW,
+                                   DOT_PREC)
+        for start_n in range(s2, k_end, BLOCK_N):
+            dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW,
+                                   DOT_PREC)
     dq = dq * scale
     # D_i recomputed exactly as sum_j P'_ij dP_ij = dO_i . O'_i in fp32 (the preprocess D uses the output
     # rounded to the input dtype, standard for dS; the sink gradient, a sum over T rows, wants the exact one).
@@ -147,7 +160,7 @@ def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_
     return dk, dv
 
 
-@triton.autotune(configs=dkdv_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W"],
+@triton.autotune(configs=dkdv_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W", "BAND"],
                  prune_configs_by={"early_config_prune": prune_rows}, cache_results=True)
 @triton.jit(do_not_specialize=["T"])
 def attn_bwd_dkdv_kernel(
@@ -157,7 +170,7 @@ def attn_bwd_dkdv_kernel(
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
@@ -175,31 +188,38 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
 
-    # Queries that can see keys [c, last_j]: tokens [c, hi] with hi bounded by the last key's document end
-    # and by the window. Interior q tiles (no mask): after the diagonal, inside the first key's document,
-    # and within the window of the first key.
-    last_j = tl.minimum(c + BLOCK_N, T) - 1
-    hi = tl.load(doc_end_ptr + last_j) - 1
-    e_full = tl.load(doc_end_ptr + c)
-    if HAS_WINDOW:
-        hi = tl.minimum(hi, last_j + W - 1)
-        e_full = tl.minimum(e_full, c + W)
-    q_start = (c // BLOCK_T) * BLOCK_T
-    q_end = hi + 1
-    s1 = tl.minimum(tl.maximum(tl.cdiv(c + BLOCK_N - 1, BLOCK_T) * BLOCK_T, q_start), q_end)
-    s2 = tl.minimum(tl.maximum((e_full // BLOCK_T) * BLOCK_T, s1), q_end)
-    for a in range(q_start, s1, BLOCK_T):
-        dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
-                            stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                            D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
-    for a in range(s1, s2, BLOCK_T):
-        dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
-                            stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                            D, DV, G_P, False, HAS_WINDOW, DOT_PREC)
-    for a in range(s2, q_end, BLOCK_T):
-        dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
-                            stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                            D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+    if BAND:
+        a_lo, a_hi = band_query_range(doc_end_ptr, c, T, W, BLOCK_N)
+        for a in range(a_lo, a_hi, BLOCK_T):
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G,
+                                HQ, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+    else:
+        # Queries that can see keys [c, last_j]: tokens [c, hi] with hi bounded by the last key's document end
+        # and by the window. Interior q tiles (no mask): after the diagonal, inside the first key's document,
+        # and within the window of the first key.
+        last_j = tl.minimum(c + BLOCK_N, T) - 1
+        hi = tl.load(doc_end_ptr + last_j) - 1
+        e_full = tl.load(doc_end_ptr + c)
+        if HAS_WINDOW:
+            hi = tl.minimum(hi, last_j + W - 1)
+            e_full = tl.minimum(e_full, c + W)
+        q_start = (c // BLOCK_T) * BLOCK_T
+        q_end = hi + 1
+        s1 = tl.minimum(tl.maximum(tl.cdiv(c + BLOCK_N - 1, BLOCK_T) * BLOCK_T, q_start), q_end)
+        s2 = tl.minimum(tl.maximum((e_full // BLOCK_T) * BLOCK_T, s1), q_end)
+        for a in range(q_start, s1, BLOCK_T):
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+                                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+        for a in range(s1, s2, BLOCK_T):
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+                                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                                D, DV, G_P, False, HAS_WINDOW, DOT_PREC)
+        for a in range(s2, q_end, BLOCK_T):
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+                                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
     dk = dk * scale
     tl.store(dk_ptr + j[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=jmask[:, None] & (offs_d[None, :] < D))

@@ -1,4 +1,5 @@
-"""Launch configurations of the attention kernels: Hopper-tuned candidates, one safe set for the interpreter.
+"""Launch configurations of the attention kernels: Hopper candidates, a per-head-dim table, one safe set for the
+interpreter.
 
 Rows of a q tile are (token, head-of-the-group) pairs: ``BLOCK_M`` rows hold ``BLOCK_M // G_P`` tokens times
 ``G_P`` query heads (``G_P`` = Hq/Hkv rounded up to a power of two). One program therefore loads each K/V tile
@@ -78,3 +79,81 @@ def dkdv_configs() -> list[triton.Config]:
         _cfg(8, 2, BLOCK_M=128, BLOCK_N=64),
         _cfg(4, 2, BLOCK_M=64, BLOCK_N=32),
     ])
+
+
+def fused_configs() -> list[triton.Config]:
+    if interpreting():
+        return [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16)]
+    # The dK/dV kernel's candidates (same resident key tile, same row walk) plus smaller row tiles: the atomic
+    # dQ product is one more (BLOCK_M, D) fp32 value live per step.
+    return _pick([
+        _cfg(4, 2, BLOCK_M=64, BLOCK_N=64),
+        _cfg(8, 2, BLOCK_M=64, BLOCK_N=128),
+        _cfg(4, 4, BLOCK_M=32, BLOCK_N=128),
+        _cfg(4, 3, BLOCK_M=32, BLOCK_N=64),
+        _cfg(8, 3, BLOCK_M=128, BLOCK_N=128),
+    ])
+
+
+# --- the per-head-dim table (``configs="table"`` in polyrl.backends.cuda.attention) ------------------------
+# One entry per (kernel, head-dim class, window band): the first config is the table's pick, the rest are what
+# ``POLYRL_TRITON_AUTOTUNE=1`` searches. Head-dim class = next power of two of max(D, Dv), clamped to 64..256.
+# Why these shapes (sm_90, 228 KB shared memory, 64K registers per SM, wgmma M = 64 per warpgroup):
+# - fwd: the q tile (BLOCK_M rows) stays in registers, K/V tiles stream through shared memory. d64 affords
+#   BLOCK_N = 128 with 8 warps (the fp32 S tile is 128 x 128 over 256 threads: 64 registers a thread), which
+#   halves the online-softmax rescales of BLOCK_N = 64; d128 keeps BLOCK_N = 64 to leave registers for O.
+# - dkdv / fused: BLOCK_N keys resident (K, V, dK, dV), BLOCK_M rows streamed; few rows per step and deep
+#   pipelining (small M tiles, 3-5 stages) is what FlashAttention-2-style Triton backwards settle on on Hopper.
+# - dq: the mirror image: BLOCK_M rows resident, keys streamed.
+# - band (window <= 256 with exact band bounds): one masked loop over W + BLOCK_M/G_P - 1 keys. BLOCK_N = 64
+#   visits 3 key tiles per 16-token q tile (192 keys for 143 needed); BLOCK_N = 128 visits 2 (256). A 32-token
+#   tile (BLOCK_M = 256 at G_P = 8) still needs 3 tiles of 64 (159 keys) but loads each K/V tile for twice
+#   the rows, hence the forward's pick.
+# None of these is measured yet: bench/attention.py --impls polyrl-table compares them with the first-config
+# default in the same run, and POLYRL_TRITON_AUTOTUNE=1 (which searches each entry) prints what it picked.
+_TABLE: dict[tuple[str, int, bool], list[tuple[int, int, int, int]]] = {
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    ("fwd", 64, False): [(128, 128, 8, 3), (128, 64, 4, 3), (256, 64, 8, 3), (128, 128, 4, 3), (64, 128, 4, 4)],
+    ("fwd", 128, False): [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3)],
+    ("fwd", 256, False): [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)],
+    ("fwd", 64, True): [(256, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    ("fwd", 128, True): [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    ("fwd", 256, True): [(64, 64, 4, 2), (128, 32, 8, 2)],
+    ("dq", 64, False): [(128, 64, 8, 3), (128, 32, 4, 4), (128, 64, 4, 2), (64, 64, 4, 3)],
+    ("dq", 128, False): [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)],
+    ("dq", 256, False): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    ("dq", 64, True): [(128, 64, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2)],
+    ("dq", 128, True): [(128, 64, 8, 3), (64, 64, 4, 3)],
+    ("dq", 256, True): [(64, 32, 4, 2), (64, 64, 8, 2)],
+    ("dkdv", 64, False): [(64, 128, 8, 3), (32, 128, 4, 5), (64, 64, 4, 3), (128, 128, 8, 2)],
+    ("dkdv", 128, False): [(32, 128, 8, 3), (64, 128, 8, 2), (64, 64, 4, 3)],
+    ("dkdv", 256, False): [(32, 64, 4, 2), (64, 64, 8, 2)],
+    ("dkdv", 64, True): [(64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
+    ("dkdv", 128, True): [(64, 64, 8, 3), (32, 128, 8, 3)],
+    ("dkdv", 256, True): [(32, 64, 4, 2), (64, 64, 8, 2)],
+    # fused dK/dV + atomic dQ: the dkdv shapes, one more live (M, D) fp32 product per step for the atomics.
+    ("fused", 64, False): [(64, 128, 8, 3), (32, 128, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)],
+    ("fused", 128, False): [(32, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2)],
+    ("fused", 256, False): [(32, 64, 4, 2), (64, 64, 8, 2)],
+    ("fused", 64, True): [(64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4)],
+    ("fused", 128, True): [(64, 64, 8, 3), (32, 128, 8, 3)],
+    ("fused", 256, True): [(32, 64, 4, 2), (64, 64, 8, 2)],
+}
+KERNELS = ("fwd", "dq", "dkdv", "fused")
+
+
+def head_dim_class(d: int, dv: int) -> int:
+    """64, 128 or 256: the table row of a (D, Dv) pair (D = 192 runs padded to 256, kernels/README.md)."""
+    return min(max(triton.next_power_of_2(max(d, dv)), 64), 256)
+
+
+def table_configs(kernel: str, d: int, dv: int, band: bool) -> list[triton.Config]:
+    """The table's candidates for one kernel and shape class, its pick first; one small config when interpreting.
+
+    Without ``POLYRL_TRITON_AUTOTUNE=1`` only the pick is returned (one compile, no benchmarking at launch)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown attention kernel {kernel!r}; known: {', '.join(KERNELS)}")
+    if interpreting():
+        return [_cfg(4, 1, BLOCK_M=16, BLOCK_N=16)]
+    rows = _TABLE[(kernel, head_dim_class(d, dv), band)]
+    return _pick([_cfg(w, s, BLOCK_M=m, BLOCK_N=n) for m, n, w, s in rows])

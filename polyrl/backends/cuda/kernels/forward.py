@@ -10,7 +10,8 @@ documents and is simply masked there; nothing needs the number of documents or t
 Key j is visible to row (t, h) iff ``doc_start[t] <= j <= t`` and ``t - j < W``.
 
 The key loop is split in three ranges of BLOCK_N-aligned key tiles (no tile outside the band is visited):
-masked lower edge (window start / document start), unmasked interior, masked diagonal.
+masked lower edge (window start / document start), unmasked interior, masked diagonal. With ``BAND`` (short
+windows, opt-in) it is one masked loop over the exact band instead (bounds.py).
 
 Sinks: the running max and sum start at the sink (``m = s * log2 e``, ``l = 1``), so the sink joins the
 denominator with no extra pass and ``m`` is never -inf. Without sinks ``m`` starts at a finite -1e30 for the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from polyrl.backends.cuda.kernels.bounds import key_ranges
+from polyrl.backends.cuda.kernels.bounds import band_key_range, key_ranges
 from polyrl.backends.cuda.kernels.configs import forward_configs
 
 LOG2E = 1.4426950408889634
@@ -68,7 +69,7 @@ def _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_ptrs_base, v_ptrs_base, start_
     return acc, l_i, m_new
 
 
-@triton.autotune(configs=forward_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "HAS_SINK", "W"],
+@triton.autotune(configs=forward_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "HAS_SINK", "W", "BAND"],
                  prune_configs_by={"early_config_prune": prune_rows}, cache_results=True)
 @triton.jit(do_not_specialize=["T"])
 def attn_fwd_kernel(
@@ -77,11 +78,13 @@ def attn_fwd_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
     pid_t = tl.program_id(0)
+    if HEAVY_FIRST:  # causal: the last q tiles see the most keys; start them first, end on light ones
+        pid_t = tl.num_programs(0) - 1 - pid_t
     kvh = tl.program_id(1)
     a = pid_t * BLOCK_T  # first token of the tile
 
@@ -107,23 +110,30 @@ def attn_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    # Key range of the tile, in three BLOCK_N-aligned pieces (masked edge, unmasked interior, masked diagonal).
-    k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)
-
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
-    for start_n in range(k_start, s1, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
-                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                   True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
-    for start_n in range(s1, s2, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
-                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                   False, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
-    for start_n in range(s2, k_end, BLOCK_N):
-        acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
-                                   stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                   True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+    if BAND:
+        # Short window: one masked loop over the exact band (bounds.py).
+        k_lo, k_hi = band_key_range(doc_start_ptr, a, T, W, BLOCK_T)
+        for start_n in range(k_lo, k_hi, BLOCK_N):
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                       stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
+                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+    else:
+        # Key range of the tile, in three BLOCK_N-aligned pieces (masked edge, unmasked interior, masked diagonal).
+        k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)
+        for start_n in range(k_start, s1, BLOCK_N):
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                       stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
+                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+        for start_n in range(s1, s2, BLOCK_N):
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                       stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
+                                       False, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+        for start_n in range(s2, k_end, BLOCK_N):
+            acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
+                                       stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
+                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + t_row[:, None] * stride_ot + h_row[:, None] * stride_oh + offs_dv[None, :],
