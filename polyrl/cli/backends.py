@@ -2,7 +2,9 @@
 
 For each backend: its distribution and version, whether it is available (``detect()``, isolated: an error in a
 plugin is an unavailable backend with the error's line) and healthy (its kernel paths resolve), the kernels it
-runs (``native`` when it provides them, else the reference), its capabilities (unknown names are warned about).
+runs (``native`` when it provides them, else the reference), its capabilities (unknown names are warned about), and
+its rollout engines in order of preference (``rollout.engine: auto`` takes the first that can run), each with the
+reason it cannot run here when it cannot.
 Plugins that were found but not loaded — a loading rule, or an import / registration that failed — are listed
 with their distribution and the reason. Exit 0, also when a plugin is broken: this is the command that says so.
 """
@@ -41,6 +43,8 @@ def main(args: argparse.Namespace) -> int:
             f"device={b['device_type']} collectives={b['collective_backend']} ({kind})"
         print(f"{b['name']:<10} {b['version'] or '-':<9} {b['distribution'] or '(in-process)':<22} {status:<10} {detail}")
         print(f"{'':<10} capabilities: {', '.join(b['capabilities']) or '-'}")
+        engines = [f"{e} ({why})" if why else e for e, why in b["rollout_engine_problems"].items()]
+        print(f"{'':<10} rollout engines (preferred first): {', '.join(engines) or '-'}")
         for kernel, path in b["kernels"].items():
             how = "reference" if b["is_reference"] or kernel not in b["native_kernels"] else "native"
             print(f"{'':<10} {kernel}: {how} ({path})")

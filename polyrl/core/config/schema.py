@@ -63,7 +63,8 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "hf"
+    # auto: the backend's preferred engine that can run here (Backend.rollout_engines); hf | vllm | a plugin's engine
+    engine: str = "auto"
     n: int = 8  # samples per prompt (the GRPO/DAPO group)
     temperature: float = 1.0
     top_p: float = 1.0

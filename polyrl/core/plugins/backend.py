@@ -239,6 +239,16 @@ class Backend:
         kernel = resolve_kernel(self.logprobs_kernel)
         return kernel(logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
 
+    # --- rollout engines (rollout_engines: in order of preference; ``rollout.engine: auto`` takes the first ready)
+    def rollout_engine_problem(self, engine: str) -> str:
+        """Why ``engine`` cannot run here ("" when it can): e.g. its package is missing. Must not import it."""
+        return ""
+
+    def rollout_engine_options(self, engine: str) -> dict[str, Any]:
+        """This backend's settings for ``engine`` (the vLLM engine reads ``polyrl.backends.vllm_engine.VllmSettings``
+        fields from it: environment, memory utilisation, sleep level, in-place sync); {} for the defaults."""
+        return {}
+
     def linear_logprobs(
         self,
         hidden: torch.Tensor,
@@ -414,6 +424,12 @@ class Backend:
             return Availability(False, f"detect() returned {avail!r}, not an Availability")
         return avail
 
+    def _engine_problem(self, engine: str) -> str:
+        try:
+            return str(self.rollout_engine_problem(engine))
+        except Exception as exc:  # a plugin's bug is reported, not raised
+            return f"rollout_engine_problem() raised {one_line(exc)}"
+
     def origin(self) -> str:
         """``"cuda (polyrl 0.1.0)"``: the backend, its distribution and version (the run log's first line)."""
         dist = " ".join(x for x in (self.distribution, self.version) if x) or "registered in-process"
@@ -436,6 +452,8 @@ class Backend:
             "native_kernels": sorted(self.provided_kernels()),
             "kernels_fallback": self.kernels_fallback(),
             "rollout_engines": list(self.rollout_engines),
+            # per engine: "" when it can run here, else why not (``rollout_engine_problem``, isolated)
+            "rollout_engine_problems": {e: self._engine_problem(e) for e in self.rollout_engines},
             "problems": self.declaration_problems(),
             "warnings": self.declaration_warnings(),
         }

@@ -40,12 +40,19 @@ def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tenso
 class HFEngine:
     name = "hf"
 
-    def __init__(self, model: Any, *, pad_token_id: int) -> None:
+    def __init__(self, model: Any, *, pad_token_id: int, **_options: Any) -> None:
+        # _options: what the trainer offers every engine (backend, max_model_len); the hf engine needs none
         self.model = model
         self.pad_token_id = int(pad_token_id)
 
     def sync_weights(self, model: Any) -> None:
         self.model = model  # shared weights: nothing to copy
+
+    def sleep(self) -> None:  # the engine is the trainer's model: nothing of its own to free
+        pass
+
+    def wake_up(self) -> None:
+        pass
 
     @torch.no_grad()
     def generate(

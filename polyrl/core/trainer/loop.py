@@ -22,7 +22,8 @@ from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
 from polyrl.core.models.lm_head import fused_kernel_for
-from polyrl.core.rollout import build_engine
+from polyrl.core.rollout import build_engine, resolve_engine
+from polyrl.core.trainer import sync
 from polyrl.core.trainer.batch import SequenceBatch, forward_all, policy_forward, value_forward
 from polyrl.core.trainer.experience import Rollout, TrainingAborted, collect_experience, sampling_params
 from polyrl.core.trainer.setup import build_kl_controller, build_models, build_task, build_tokenizer, check_config
@@ -67,10 +68,13 @@ class Trainer:
         pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         # Packing needs an attention that splits documents by position_ids; others get padded rows.
         packed = cfg.model.attn_implementation == "polyrl"
-        self.engine = build_engine(cfg.rollout.engine, self.models.actor, pad_token_id=pad_id)
+        max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+        sampling = sampling_params(cfg, self.tokenizer.eos_token_id)
+        self.engine = build_engine(resolve_engine(cfg.rollout.engine, backend), self.models.actor, pad_token_id=pad_id,
+                                   backend=backend, max_model_len=max_len, sampling=sampling)
         self.rollout = Rollout(
             task=self.task, tokenizer=self.tokenizer, engine=self.engine,
-            sampling=sampling_params(cfg, self.tokenizer.eos_token_id), sample_gen=self.state.sample_gen,
+            sampling=sampling, sample_gen=self.state.sample_gen,
             task_rng=self.state.task_rng, device=self.device,
         )
         m, c = self.models, self.state.counters
@@ -79,12 +83,20 @@ class Trainer:
         self.actor = Learner(m.actor, m.optimizer, self.state.shuffle_gen, c, packed, pad_id, backend.logprobs,
                              self.fused)
         self.critic = Learner(m.critic, m.critic_optimizer, self.state.shuffle_gen, c, packed, pad_id) if m.critic else None
+        # every sync into an engine with its own weights is checked on this probe (polyrl.core.trainer.sync)
+        actor_cfg = getattr(m.actor, "config", None)
+        self.probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)
+        # the bar of the lower precision among the model's dtype and the backend's FSDP compute dtype
+        dtypes = {cfg.model.dtype, backend.sharding_policy().param_dtype}
+        self.probe_dtype = "float32" if dtypes == {"float32"} else sorted(dtypes - {"float32"})[0]
+        self.sync_metrics = sync.verify(self.engine, m.actor, self.probe, self.probe_dtype, **self._probe_kwargs())
 
     # --- the step ----------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         # 1-2. rollout and reward (with overlong shaping and DAPO dynamic sampling)
         exp = collect_experience(self.cfg, self.rollout)
+        sync.sleep(self.engine)  # the engine's memory is the trainer's until the sync
         metrics = dict(exp.metrics)
         if exp.batch is not None:
             metrics.update(self._learn(exp.batch, exp.scores))
@@ -95,8 +107,8 @@ class Trainer:
             self.models.scheduler.step()
             if self.models.critic_scheduler is not None:
                 self.models.critic_scheduler.step()
-        # 6. the engine generates with the new weights from the next step on
-        self.engine.sync_weights(self.models.actor)
+        # 6. the engine generates with the new weights from the next step on (verified: polyrl.core.trainer.sync)
+        metrics.update(self.sync_engine())
         c = self.state.counters
         c.gen_batches += exp.gen_batches
         c.groups_filtered += exp.groups_filtered
@@ -112,8 +124,17 @@ class Trainer:
                                                      "memory/peak_gib": "max", "batch/tokens": "sum"})
         return {"step": self.state.step, **metrics}
 
+    def sync_engine(self) -> dict[str, float]:
+        """The actor's weights into the rollout engine, verified (after every update, and after a resume loaded a
+        checkpoint into the actor: an engine with its own weights still holds the initial ones)."""
+        return sync.sync_and_verify(self.engine, self.models.actor, self.probe, self.probe_dtype, **self._probe_kwargs())
+
     def _forward_kwargs(self) -> dict[str, Any]:
         return dict(packed=self.actor.packed, pad_id=self.actor.pad_id)
+
+    def _probe_kwargs(self) -> dict[str, Any]:
+        return dict(packed=self.actor.packed, pad_id=self.actor.pad_id, chunk_size=self.cfg.trainer.logprob_chunk_size,
+                    logprobs=self.backend.logprobs, linear_logprobs=self.fused)
 
     def _learn(self, batch: SequenceBatch, scores: torch.Tensor) -> dict[str, float]:
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -227,6 +248,8 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
         bar = tqdm(total=cfg.total_steps, initial=trainer.state.step, desc="polyrl", unit="step", dynamic_ncols=True)
     last: dict[str, float] = {}
     try:
+        if trainer.state.step > 0:  # resumed: the checkpoint's weights are not in the engine yet
+            trainer.sync_engine()
         while trainer.state.step < cfg.total_steps:
             last = trainer.step()
             check_lifeline()
@@ -245,4 +268,6 @@ def fit(trainer: Trainer, run_dir: Any, *, progress: bool = True, log: Any = Non
     finally:
         if bar is not None:
             bar.close()
+        if callable(getattr(trainer.engine, "close", None)):
+            trainer.engine.close()  # an engine with its own process state (vLLM) ends before the process group
     return last
