@@ -294,10 +294,7 @@ def _exit_if_a_peer_is_gone(wait_s: float = 1.0) -> None:
     while True:
         gone = L.peer_gone()
         if gone is not None:
-            print(f"polyrl run: [rank {D.get_rank()}] rank {gone[0]} (pid {gone[1]}) ended in the middle of the run; "
-                  "this rank stops too", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(L.PEER_GONE_EXIT)
+            L.stop_for_peer(D.get_rank(), *gone)
         if time.monotonic() >= deadline:
             return
         time.sleep(0.05)

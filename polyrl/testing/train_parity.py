@@ -136,7 +136,22 @@ def _load_cfg(recipe: str, dtype: str | None, seed: int, extra: Sequence[str] = 
 def step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None],
                 recipes: Sequence[str] = TINY_RECIPES) -> None:
     """Rows of the step level for both tiny recipes (see the module docstring). ``dtype``: the models'
-    dtype (default: the recipe's own ``model.dtype``)."""
+    dtype (default: the recipe's own ``model.dtype``).
+
+    Runs under torch's deterministic algorithms, as ``polyrl run`` does on the reference backend: torch's CPU
+    ``index_put_(accumulate=True)`` (the MoE expert gather's backward) otherwise adds floats with racing
+    atomics across threads, and the reference would not equal itself."""
+    import torch
+
+    previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _step_parity(backend, dtype, emit, recipes)
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None], recipes: Sequence[str]) -> None:
     import torch
 
     from polyrl.core.plugins import list_backends

@@ -298,13 +298,7 @@ class _PeerWatch(threading.Thread):
         while self.armed.is_set():
             found = self.gone()
             if found is not None and self.armed.is_set():
-                peer_rank, pid = found
-                sys.stderr.write(
-                    f"polyrl run: [rank {self.rank}] rank {peer_rank} (pid {pid}) ended in the middle of the run; "
-                    "this rank stops too\n"
-                )
-                sys.stderr.flush()
-                os._exit(PEER_GONE_EXIT)
+                stop_for_peer(self.rank, *found)
             if poller is not None:
                 poller.poll(200)
             else:
@@ -313,6 +307,18 @@ class _PeerWatch(threading.Thread):
 
 PEER_GONE_EXIT = 1
 _peer_watch: _PeerWatch | None = None
+_peer_stop = threading.Lock()
+
+
+def stop_for_peer(rank: int, peer_rank: int, pid: int) -> None:
+    """Say once why this rank stops (the watch thread and a broken collective in the main thread can both
+    get here: the lock makes it one whole line), then end the process at once."""
+    _peer_stop.acquire()  # never released: the second caller waits here until the first has ended the process
+    sys.stderr.write(f"polyrl run: [rank {rank}] rank {peer_rank} (pid {pid}) ended in the middle of the run; "
+                     "this rank stops too\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(PEER_GONE_EXIT)
 
 
 def watch_peers(rank: int, peers: Mapping[int, int]) -> None:
