@@ -28,8 +28,10 @@ from pathlib import Path
 os.environ["OMP_DYNAMIC"] = "FALSE"
 # Speed, not numbers: OpenMP threads that spin while waiting (libgomp's default) lose their time slices to
 # each other when other processes share the cores; sleeping waiters measured ~10-30x faster per step on
-# a loaded 2-core machine and not measurably slower at light load. The user's choice wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# a loaded 2-core machine, but ~1.8x slower on an idle one (docs/distributed.md). So: passive only when the
+# machine is already busy at start (1-minute load average above half the cores). The user's choice wins.
+if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop; rank 0 says how to resume itself
