@@ -275,14 +275,45 @@ class _PeerWatch(threading.Thread):
     so a peer that leaves first at the end of a run is no failure.
     """
 
+    # A peer that ends because the run is being stopped (torchrun's agent sends SIGTERM to every worker
+    # when it is signalled) is no failure of that peer: this rank got the same signal and stops on its own
+    # path ("stopped by ..."). Python runs the handler only when the main thread next executes bytecode,
+    # which it may not do while it waits in a collective, so the thread learns of the signal from the
+    # interpreter's C-level wakeup fd, written the moment the signal arrives.
+    GRACE_S = 0.25  # after a peer is found gone, how long a stop signal to this rank may still be on its way
+
     def __init__(self, rank: int, peers: Mapping[int, int]) -> None:
         super().__init__(name="polyrl-peers", daemon=True)
         self.rank, self.peers = rank, dict(peers)
         self.armed = threading.Event()
         self.armed.set()
+        self.signalled = False
+        self._sig_r, self._sig_w, self._prev_wakeup = -1, -1, None
+        if threading.current_thread() is threading.main_thread():
+            self._sig_r, self._sig_w = os.pipe()
+            os.set_blocking(self._sig_r, False)
+            os.set_blocking(self._sig_w, False)
+            self._prev_wakeup = signal.set_wakeup_fd(self._sig_w, warn_on_full_buffer=False)
 
     def gone(self) -> tuple[int, int] | None:
         return next(((r, p) for r, p in sorted(self.peers.items()) if not _alive(p)), None)
+
+    def _drain_signals(self) -> bool:
+        """True once a stop signal has reached this process (read from the wakeup pipe)."""
+        if self._sig_r >= 0 and not self.signalled:
+            with contextlib.suppress(BlockingIOError, OSError):
+                while data := os.read(self._sig_r, 64):
+                    if any(b in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) for b in data):
+                        self.signalled = True
+        return self.signalled
+
+    def close(self) -> None:
+        """Main thread: give the wakeup fd back (the pipe is left to the process's end; the thread may
+        still be polling it)."""
+        if self._prev_wakeup is not None:
+            with contextlib.suppress(ValueError):
+                signal.set_wakeup_fd(self._prev_wakeup)
+            self._prev_wakeup = None
 
     def run(self) -> None:
         fds = []
@@ -292,13 +323,18 @@ class _PeerWatch(threading.Thread):
                     fds.append(os.pidfd_open(pid))
         import select
 
+        fds += [self._sig_r] if self._sig_r >= 0 else []
         poller = select.poll() if fds and hasattr(select, "poll") else None
         for fd in fds:
             poller.register(fd, select.POLLIN)  # type: ignore[union-attr]
-        while self.armed.is_set():
+        while self.armed.is_set() and not self._drain_signals():
             found = self.gone()
-            if found is not None and self.armed.is_set():
-                stop_for_peer(self.rank, *found)
+            if found is not None:
+                deadline = time.monotonic() + self.GRACE_S
+                while time.monotonic() < deadline and not self._drain_signals():
+                    time.sleep(0.02)
+                if self.armed.is_set() and not self._drain_signals():
+                    stop_for_peer(self.rank, *found)
             if poller is not None:
                 poller.poll(200)
             else:
@@ -335,12 +371,16 @@ def unwatch_peers() -> None:
     global _peer_watch
     if _peer_watch is not None:
         _peer_watch.armed.clear()
+        _peer_watch.close()
         _peer_watch = None
 
 
 def peer_gone() -> tuple[int, int] | None:
-    """``(rank, pid)`` of a watched peer that has ended, or None (also when nothing is watched)."""
-    return _peer_watch.gone() if _peer_watch is not None else None
+    """``(rank, pid)`` of a watched peer that has ended, or None (also when nothing is watched, and when
+    this rank itself is being stopped by a signal: then the peer's end is part of the same stop)."""
+    if _peer_watch is None or _peer_watch._drain_signals():
+        return None
+    return _peer_watch.gone()
 
 
 # --- stopping on a signal ------------------------------------------------------------------------------

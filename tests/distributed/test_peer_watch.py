@@ -1,0 +1,51 @@
+"""The peer watch in isolation (in a child interpreter, since it ends its process): a peer that ends
+mid-run ends this rank with one line, but not when this rank is itself being stopped by a signal (torchrun's
+agent signals every worker at once; whichever stops first must not be reported as the failure)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from polyrl.core.distributed import launch as L
+
+    restore = L.install_stop_handlers()
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    L.watch_peers(0, {1: peer.pid})
+    if sys.argv[1] == "signalled":
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        except KeyboardInterrupt:
+            pass
+        assert L.stop_signal() == signal.SIGTERM
+    time.sleep(0.3)  # the watch is polling
+    peer.kill()
+    peer.wait()
+    time.sleep(1.5)  # > the watch's poll interval and grace
+    print("still running", L.peer_gone(), flush=True)
+    L.unwatch_peers()
+    restore()
+""")
+
+
+def _run(mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=60)
+
+
+def test_a_peer_that_ends_mid_run_ends_this_rank_with_one_line() -> None:
+    res = _run("plain")
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("polyrl run: [rank 0] rank 1 (pid "), res.stderr
+    assert lines[0].endswith("ended in the middle of the run; this rank stops too"), res.stderr
+    assert "still running" not in res.stdout
+
+
+def test_a_rank_being_stopped_by_a_signal_does_not_report_its_peers_end_as_the_failure() -> None:
+    res = _run("signalled")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "ended in the middle" not in res.stderr, res.stderr
+    assert res.stdout.strip() == "still running None", res.stdout
