@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from polyrl.core.distributed.launch import worker_pids  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -79,20 +82,6 @@ def _mad(a: list, b: list) -> float | None:
     return sum(abs(x - y) for x, y in pairs) / len(pairs) if pairs else None
 
 
-def _worker_pids(launcher: int) -> dict[int, int]:
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if env.get("POLYRL_LAUNCHER_PID") == str(launcher) and "RANK" in env and "LOCAL_RANK" in env:
-            found[int(env["RANK"])] = int(proc.name)
-    return found
-
-
 def kill_drill(recipe: str, work: Path, backend: str, seed: int, reference: list[dict], save_every: int,
                extra: list[str]) -> dict:
     out = work / f"{recipe}-kill"
@@ -105,7 +94,7 @@ def kill_drill(recipe: str, work: Path, backend: str, seed: int, reference: list
             proc.kill()
             return {"error": "the run ended or stalled before the kill point", "stderr": proc.stderr.read()[-3000:]}
         time.sleep(0.05)
-    pids = _worker_pids(proc.pid)
+    pids = worker_pids(proc.pid)
     victim = pids.get(1)
     t0 = time.perf_counter()
     os.kill(victim, signal.SIGKILL)

@@ -34,7 +34,7 @@ if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop; rank 0 says how to resume itself
+STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop (one line says how to resume)
 
 
 def _add_options(p: argparse.ArgumentParser) -> None:
@@ -159,13 +159,52 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
         code = launch_torchrun(argv, args.nproc)
     finally:
         lock.release(undo=code == 2)  # bad input seen by a worker: nothing was written, leave no trace
-    if code not in (0, 2) and code - 128 not in STOP_SIGNUMS:  # a worker failed (rank 0 may be the one gone)
+    if code - 128 in STOP_SIGNUMS:
+        # The stop line comes from here, not from rank 0: the launcher is the one process certain to be alive
+        # and past every worker's end, whatever moment the signal found the workers in (a worker still
+        # starting its interpreter dies of it without a word). The step is the last one logged.
+        print(f"polyrl run: {_stopped_message(code - 128, _last_logged_step(out), out / 'checkpoints')}",
+              file=sys.stderr)
+    elif code not in (0, 2):  # a worker failed (rank 0 may be the one gone)
         from polyrl.core.run.checkpoint import latest_checkpoint
 
         found = latest_checkpoint(out / "checkpoints")
         resume = f"resumes from {found.name}" if found else "starts over (no complete checkpoint yet)"
         print(f"polyrl run: the same command {resume}", file=sys.stderr)
     return code
+
+
+def _stopped_message(signum: int, step: int | str | None, checkpoints: Path | None) -> str:
+    """``stopped by SIGTERM at step 7; the same command resumes from step 6`` (step None: while starting)."""
+    from polyrl.core.distributed import launch as L
+    from polyrl.core.run.checkpoint import latest_checkpoint
+
+    found = latest_checkpoint(checkpoints) if checkpoints is not None else None
+    resume = f"resumes from step {int(found.name.split('_')[1])}" if found else "starts over (no checkpoint yet)"
+    where = "while starting" if step is None else f"at step {step}"
+    return f"stopped by {L.signal_name(signum)} {where}; the same command {resume}"
+
+
+def _last_logged_step(out: Path) -> int | str:
+    """The last step in the run's metrics.jsonl (0 when there is none yet); "?" when it cannot be read."""
+    from polyrl.core.errors import BadInputError
+    from polyrl.core.run.report import read_metrics
+
+    if not (out / "metrics.jsonl").is_file():
+        return 0
+    try:
+        records, _ = read_metrics(out)
+    except BadInputError:
+        return "?"
+    return int(records[-1]["step"]) if records else 0
+
+
+def _says_the_stop_line() -> bool:
+    """Who prints "stopped by ...": the only process, or rank 0 of a torchrun started by hand; under the
+    `polyrl run --nproc` launcher the launcher does."""
+    from polyrl.core.distributed import launch as L
+
+    return os.environ.get("RANK", "0") == "0" and L.launcher_pid() is None
 
 
 def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
@@ -178,12 +217,19 @@ def _train(args: argparse.Namespace, cfg, backend, config_yaml: str) -> int:
     restore_handlers = L.install_stop_handlers()  # SIGINT/SIGTERM/SIGHUP: stop where we are
     restore_determinism = _pin_determinism(backend)
     try:
-        rc = _train_in_dir(args, cfg, backend, config_yaml)
+        try:
+            rc = _train_in_dir(args, cfg, backend, config_yaml)
+        except KeyboardInterrupt:  # stopped while starting (before the run directory was opened)
+            signum = L.stop_signal() or 2
+            if _says_the_stop_line():
+                ckpts = Path(args.output) / "checkpoints" if args.output else None  # else a new directory anyway
+                print(f"polyrl run: {_stopped_message(signum, None, ckpts)}", file=sys.stderr)
+            rc = 128 + signum
         if rc in (0, 1, 2):  # finished, aborted (TrainingAborted) or refused (every rank past the barrier):
             D.barrier()  # every rank's work is done: a peer that leaves from here on is no failure
             L.unwatch_peers()
             D.shutdown_distributed()  # leave the process group cleanly. A stopped run may have peers gone
-        elif rc > 128 and D.is_distributed():
+        elif rc > 128 and D.under_torchrun():
             # A stopped worker: its files are closed and its lock released; exit without the interpreter's
             # teardown, which would destroy a process group whose peers are gone (C++ threads still joinable:
             # "terminate called without an active exception", SIGABRT).
@@ -200,7 +246,7 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
     from polyrl.core.errors import BadInputError
-    from polyrl.core.run.checkpoint import latest_checkpoint, load_latest_checkpoint
+    from polyrl.core.run.checkpoint import load_latest_checkpoint
     from polyrl.core.run.directory import RunDir, RunDirLocked, RunLock, check_unlocked, default_run_dir
     from polyrl.core.trainer import Trainer, TrainingAborted, fit
 
@@ -271,9 +317,8 @@ def _train_in_dir(args: argparse.Namespace, cfg, backend, config_yaml: str) -> i
         # Stopped by a signal (or, on another rank, by a collective broken by a stopping peer). A checkpoint
         # being written was abandoned: only complete ones are ever loaded.
         signum = signum if signum is not None else 2  # a KeyboardInterrupt raised by Python's own handler
-        found = latest_checkpoint(run_dir.checkpoints) if D.is_main_process() else None
-        resume = f"resumes from step {int(found.name.split('_')[1])}" if found else "starts over (no checkpoint yet)"
-        say(f"stopped by {L.signal_name(signum)} at step {trainer.state.step}; the same command {resume}")
+        if _says_the_stop_line():
+            say(_stopped_message(signum, trainer.state.step, run_dir.checkpoints))
         return 128 + signum
     finally:
         if lock is not None:

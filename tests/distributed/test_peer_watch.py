@@ -3,9 +3,11 @@ mid-run ends this rank with one line, but not when this rank is itself being sto
 agent signals every worker at once; whichever stops first must not be reported as the failure)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 SCRIPT = textwrap.dedent("""
     import os, signal, subprocess, sys, time
@@ -14,7 +16,7 @@ SCRIPT = textwrap.dedent("""
     restore = L.install_stop_handlers()
     peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     L.watch_peers(0, {1: peer.pid})
-    if sys.argv[1] == "signalled":
+    if sys.argv[1] in ("signalled", "stuck"):
         try:
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises here
@@ -24,7 +26,8 @@ SCRIPT = textwrap.dedent("""
     time.sleep(0.3)  # the watch is polling
     peer.kill()
     peer.wait()
-    time.sleep(1.5)  # > the watch's poll interval and grace
+    time.sleep(1.5 if sys.argv[1] != "stuck" else 20)  # > the watch's poll interval and grace; "stuck": a
+    # main thread that never gets back from a collective with the dead peer
     print("still running", L.peer_gone(), flush=True)
     L.unwatch_peers()
     restore()
@@ -49,3 +52,10 @@ def test_a_rank_being_stopped_by_a_signal_does_not_report_its_peers_end_as_the_f
     assert res.returncode == 0, res.stdout + res.stderr
     assert "ended in the middle" not in res.stderr, res.stderr
     assert res.stdout.strip() == "still running None", res.stdout
+
+
+def test_a_signalled_rank_stuck_with_a_dead_peer_ends_with_the_stops_exit_code() -> None:
+    t0 = time.monotonic()
+    res = _run("stuck")
+    assert res.returncode == 128 + signal.SIGTERM, res.stdout + res.stderr
+    assert time.monotonic() - t0 < 15 and res.stderr == "" and "still running" not in res.stdout

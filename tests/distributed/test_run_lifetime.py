@@ -173,6 +173,14 @@ def _stop_at(out: Path, when, *, env: dict[str, str] | None = None, extra_s: flo
     assert len(stopped) == 1 and stopped[0].startswith(f"polyrl run: stopped by {signal.Signals(sig).name} at step "), err
 
 
+@pytest.mark.parametrize("after_s", [0.0, 1.5], ids=["interpreters-starting", "imports-and-setup"])
+def test_sigterm_while_the_workers_start_stops_every_process_with_one_line(tmp_path: Path, after_s: float) -> None:
+    """A stop that finds the workers before their handlers exist (a worker's interpreter still starting dies
+    of the signal without a word) or inside the setup: the launcher still prints the one stop line, exit 143,
+    no traceback, nothing left running."""
+    _stop_at(tmp_path / "run", lambda: True, extra_s=after_s, sig=signal.SIGTERM)
+
+
 def _random_moment(out: Path, rng: random.Random) -> tuple:
     """When 0..TOTAL-2 steps are logged (counting the lines already there: a resumed run cuts them back
     first, so a low count can fall inside the resume itself), plus 0..0.6 s: inside a step, a checkpoint

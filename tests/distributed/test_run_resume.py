@@ -13,6 +13,7 @@ import pytest
 import torch
 from dist_procs import child_env, read_metrics, run_and_kill, run_to_end
 
+from polyrl.core.distributed.launch import worker_pids
 from polyrl.core.run import checkpoint as C
 from polyrl.core.tolerances import tolerance
 
@@ -161,21 +162,6 @@ def test_dynamic_sampling_on_two_processes_matches_one(tmp_path: Path) -> None:
     assert sum(m["dapo/groups_filtered"] for m in runs[1]) > 0 and max(m["dapo/gen_batches"] for m in runs[1]) > 1
 
 
-def _worker_pids(launcher: int) -> dict[int, int]:
-    """{RANK: pid} of the torchrun workers below ``launcher`` (read from each process's environment)."""
-    found = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
-        except OSError:
-            continue
-        if env.get("POLYRL_LAUNCHER_PID") == str(launcher) and "RANK" in env and "LOCAL_RANK" in env:
-            found[int(env["RANK"])] = int(proc.name)
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads worker environments from /proc")
 def test_a_worker_killed_mid_step_stops_every_rank_with_one_line_each_then_resumes(
     reference: list[dict], tmp_path: Path
@@ -194,7 +180,7 @@ def test_a_worker_killed_mid_step_stops_every_rank_with_one_line_each_then_resum
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.monotonic() < deadline, "step 3 never logged"
         time.sleep(0.05)
-    pids = _worker_pids(proc.pid)
+    pids = worker_pids(proc.pid)
     assert sorted(pids) == [0, 1], pids
     os.kill(pids[1], signal.SIGKILL)
     try:

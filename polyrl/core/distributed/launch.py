@@ -231,6 +231,28 @@ def launcher_pid() -> int | None:
     return _env_pid(LAUNCHER_PID_ENV)
 
 
+def worker_pids(launcher: int) -> dict[int, int]:
+    """``{RANK: pid}`` of the torchrun workers started by the `polyrl run --nproc` launcher ``launcher``,
+    read from each process's environment in /proc (Linux; empty elsewhere). For drills and tools that
+    must signal one particular rank."""
+    from pathlib import Path
+
+    found: dict[int, int] = {}
+    procfs = Path("/proc")
+    if not procfs.is_dir():
+        return found
+    for proc in procfs.iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = dict(kv.split("=", 1) for kv in (proc / "environ").read_text().split("\0") if "=" in kv)
+        except OSError:
+            continue
+        if env.get(LAUNCHER_PID_ENV) == str(launcher) and "RANK" in env and "LOCAL_RANK" in env:
+            found[int(env["RANK"])] = int(proc.name)
+    return found
+
+
 def die_with_parent(*, expected_parent: int | None = None, watch: Sequence[int | None] = (),
                     poll_s: float = 1.0) -> None:
     """Make this process end (SIGKILL) when its parent ends, or any process in ``watch`` ends. Idempotent.
@@ -281,13 +303,15 @@ class _PeerWatch(threading.Thread):
     # which it may not do while it waits in a collective, so the thread learns of the signal from the
     # interpreter's C-level wakeup fd, written the moment the signal arrives.
     GRACE_S = 0.25  # after a peer is found gone, how long a stop signal to this rank may still be on its way
+    STOPPING_S = 3.0  # signalled, and a peer gone: the main thread may wait in a collective that can never
+    # finish (NCCL would wait for its timeout); past this the watch ends the process with the stop's code
 
     def __init__(self, rank: int, peers: Mapping[int, int]) -> None:
         super().__init__(name="polyrl-peers", daemon=True)
         self.rank, self.peers = rank, dict(peers)
         self.armed = threading.Event()
         self.armed.set()
-        self.signalled = False
+        self.signalled: int | None = None  # the stop signal that reached this process
         self._sig_r, self._sig_w, self._prev_wakeup = -1, -1, None
         if threading.current_thread() is threading.main_thread():
             self._sig_r, self._sig_w = os.pipe()
@@ -300,12 +324,13 @@ class _PeerWatch(threading.Thread):
 
     def _drain_signals(self) -> bool:
         """True once a stop signal has reached this process (read from the wakeup pipe)."""
-        if self._sig_r >= 0 and not self.signalled:
+        if self._sig_r >= 0 and self.signalled is None:
             with contextlib.suppress(BlockingIOError, OSError):
                 while data := os.read(self._sig_r, 64):
-                    if any(b in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) for b in data):
-                        self.signalled = True
-        return self.signalled
+                    stops = [b for b in data if b in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)]
+                    if stops and self.signalled is None:
+                        self.signalled = stops[0]
+        return self.signalled is not None
 
     def close(self) -> None:
         """Main thread: give the wakeup fd back (the pipe is left to the process's end; the thread may
@@ -339,6 +364,16 @@ class _PeerWatch(threading.Thread):
                 poller.poll(200)
             else:
                 time.sleep(0.2)
+        while self.armed.is_set():  # stopping on a signal: the main thread says and does the rest
+            if self.gone() is not None:
+                deadline = time.monotonic() + self.STOPPING_S
+                while self.armed.is_set() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if self.armed.is_set():  # still here: stuck in a collective with the dead peer
+                    sys.stderr.flush()
+                    sys.stdout.flush()
+                    os._exit(128 + (self.signalled or signal.SIGTERM))
+            time.sleep(0.2)
 
 
 PEER_GONE_EXIT = 1
