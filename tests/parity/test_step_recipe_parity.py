@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from planted_backends import WrongScaleBackend
 
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.tolerances import TOLERANCES
@@ -22,17 +23,6 @@ BACKENDS = [
         not torch.cuda.is_available(), reason="no CUDA device on this machine")]),
 ]
 
-
-
-class WrongScaleBackend(CpuBackend):
-    """Applies the softmax scale to the sinks too — a plausible kernel bug, invisible without sinks."""
-
-    name = "wrong_scale"
-    is_reference = False
-
-    def varlen_attention(self, q, k, v, cu_seqlens, *, scale, window, sinks):
-        return super().varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window,
-                                        sinks=None if sinks is None else sinks * scale)
 
 
 def _by_case(rows):

@@ -7,22 +7,13 @@ import json
 import subprocess
 import sys
 
+from planted_backends import WrongScaleBackend
+
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.plugins import ShardingPolicy
 from polyrl.core.tolerances import tolerance
 from polyrl.testing.conformance import ATTENTION_CASES
 from polyrl.testing.parity import FAIL, NOT_RUN, PASS, run_parity
-
-
-class WrongScaleBackend(CpuBackend):
-    """Applies the softmax scale to the sinks too — a plausible kernel bug."""
-
-    name = "wrong_scale"
-    is_reference = False
-
-    def varlen_attention(self, q, k, v, cu_seqlens, *, scale, window, sinks):
-        return super().varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window,
-                                        sinks=None if sinks is None else sinks * scale)
 
 
 class Bf16PolicyBackend(CpuBackend):

@@ -25,6 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
+from polyrl.core.algorithms.logprobs import check_labels_and_knobs
+
 # Automatic vocabulary chunk: VOCAB_CHUNK columns, fewer when a [chunk_size, ·] fp32 tile would pass
 # TILE_ELEMENTS (256 MiB). Backward also keeps one fp32 [vocab chunk, H] block of dW (94 MiB at H = 2880).
 TILE_ELEMENTS = 1 << 26
@@ -215,12 +217,8 @@ def check_linear_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.
                          f"{tuple(weight.shape)}")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if labels.shape != hidden.shape[:-1]:
-        raise ValueError(f"labels {tuple(labels.shape)} must match hidden[..., :-1] {tuple(hidden.shape[:-1])}")
-    if chunk_size < 1 or (vocab_chunk_size is not None and vocab_chunk_size < 1):
-        raise ValueError(f"chunk sizes must be >= 1, got {chunk_size}, {vocab_chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_labels_and_knobs(labels, hidden, "hidden", {"chunk_size": chunk_size, "vocab_chunk_size": vocab_chunk_size},
+                           temperature)
 
 
 def linear_logprobs_and_entropy(

@@ -171,15 +171,24 @@ def _grad_both_block(
     return logp
 
 
+def check_labels_and_knobs(labels: torch.Tensor | None, scores: torch.Tensor, scores_name: str,
+                           chunk_sizes: dict[str, int | None], temperature: float) -> None:
+    """The checks shared by the logits path and the fused lm_head path: ``labels`` index every row of
+    ``scores`` ([..., last dim]), chunk sizes (by argument name) are positive (None: automatic), the
+    temperature is positive."""
+    if labels is not None and labels.shape != scores.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} must match {scores_name}[..., :-1] {tuple(scores.shape[:-1])}")
+    for name, size in chunk_sizes.items():
+        if size is not None and size < 1:
+            raise ValueError(f"{name} must be >= 1, got {size}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
 def _check(logits: torch.Tensor, labels: torch.Tensor | None, chunk_size: int, temperature: float) -> None:
     if logits.dim() < 2:
         raise ValueError(f"logits must be [..., T, V], got shape {tuple(logits.shape)}")
-    if labels is not None and labels.shape != logits.shape[:-1]:
-        raise ValueError(f"labels {tuple(labels.shape)} must match logits[..., :-1] {tuple(logits.shape[:-1])}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_labels_and_knobs(labels, logits, "logits", {"chunk_size": chunk_size}, temperature)
 
 
 def logprobs_and_entropy(
