@@ -26,12 +26,49 @@ from pathlib import Path
 # results would follow the machine's load. FALSE is libgomp's default; it is forced here because only
 # this process and its torchrun workers read it, when torch loads (docs/distributed.md, "Determinism").
 os.environ["OMP_DYNAMIC"] = "FALSE"
+
 # Speed, not numbers: OpenMP threads that spin while waiting (libgomp's default) lose their time slices to
 # each other when other processes share the cores; sleeping waiters measured ~10-30x faster per step on
-# a loaded 2-core machine, but ~1.8x slower on an idle one (docs/distributed.md). So: passive only when the
-# machine is already busy at start (1-minute load average above half the cores). The user's choice wins.
-if hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# a loaded 2-core machine, but ~2x slower on an idle one (docs/distributed.md). So: passive only when
+# other processes keep more than half the cores busy as the run starts, sampled over a moment (the 1-minute
+# load average is no guide: it still counts the work that just ended, the previous run's included). The
+# launcher decides for its workers (they would see each other starting). The user's choice wins.
+_OMP_DECIDED_ENV = "POLYRL_OMP_WAIT_DECIDED"
+BUSY_SAMPLE_S = 0.2
+
+
+def _busy_cores(sample_s: float = BUSY_SAMPLE_S) -> float | None:
+    """How many cores other processes keep busy now (this one sleeps while sampling): /proc/stat over
+    ``sample_s``; the 1-minute load average where there is no /proc (None where neither exists)."""
+    def totals() -> tuple[int, int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(x) for x in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        return sum(fields[:8]), idle  # user..steal (guest time is already in user)
+
+    first = totals()
+    if first is None:
+        return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    import time
+
+    time.sleep(sample_s)
+    second = totals()
+    total, idle = second[0] - first[0], second[1] - first[1]  # type: ignore[index]
+    return (os.cpu_count() or 1) * (1.0 - idle / total) if total > 0 else 0.0
+
+
+def _choose_omp_wait_policy() -> None:
+    """Before torch loads (libgomp reads the policy once, then); a no-op when torch is already loaded,
+    the user set the policy, or the launcher of this worker decided."""
+    if "OMP_WAIT_POLICY" in os.environ or os.environ.get(_OMP_DECIDED_ENV) or "torch" in sys.modules:
+        return
+    os.environ[_OMP_DECIDED_ENV] = "1"
+    busy = _busy_cores()
+    if busy is not None and busy > 0.5 * (os.cpu_count() or 1):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
 STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop (one line says how to resume)
@@ -89,6 +126,7 @@ def _recipe_name(spec: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     args = _split_remainder(args)
+    _choose_omp_wait_policy()
     from polyrl.core import distributed as D
     from polyrl.core.config import dump_config, load_config
     from polyrl.core.plugins.selection import set_active_backend
