@@ -126,7 +126,8 @@ def _recipe_name(spec: str) -> str:
 
 def main(args: argparse.Namespace) -> int:
     args = _split_remainder(args)
-    _choose_omp_wait_policy()
+    if not args.dry_run:  # a dry run computes no tensors: no threads to tune, no sample to wait for
+        _choose_omp_wait_policy()
     from polyrl.core import distributed as D
     from polyrl.core.config import dump_config, load_config
     from polyrl.core.plugins.selection import set_active_backend

@@ -34,3 +34,14 @@ def run_both(fn, q, k, v, sinks, cu, d_out, *, window):
     got = {"out": out.detach(), **{f"d{n}": x.grad for n, x in ours.items()}}
     want = {"out": expected.detach(), **{f"d{n}": x.grad for n, x in ref.items()}}
     return got, want
+
+
+# The opt-in kernel paths (polyrl.backends.cuda.attention.KernelOptions keyword arguments), for the GPU and
+# interpreter tests alike.
+VARIANTS = {
+    "atomic": {"bwd": "atomic"},
+    "band": {"window_tiles": "band"},
+    "aligned": {"window_tiles": "aligned"},
+    "table": {"configs": "table"},
+    "all": {"bwd": "atomic", "window_tiles": "band", "configs": "table"},
+}

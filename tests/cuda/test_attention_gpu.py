@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_attention_cases import make_case, run_both
+from cuda_attention_cases import VARIANTS, make_case, run_both
 
 from polyrl.core.tolerances import check_close
 
@@ -87,15 +87,7 @@ def test_gpu_kernels_with_extreme_sinks(lengths, hq, hkv, window, sink_value):
 
 
 # --- the opt-in kernel paths (KernelOptions): atomic fused backward, exact band tiles, per-head-dim table ---
-# Added with issue 18, written without a GPU: checked under the interpreter (test_attention_interpret.py),
-# not yet run on a GPU when committed.
-VARIANTS = {
-    "atomic": {"bwd": "atomic"},
-    "band": {"window_tiles": "band"},
-    "aligned": {"window_tiles": "aligned"},
-    "table": {"configs": "table"},
-    "all": {"bwd": "atomic", "window_tiles": "band", "configs": "table"},
-}
+# Added with issue 18: checked under the interpreter (test_attention_interpret.py) and here on the H200.
 # (variant, lengths, Hq, Hkv, D, Dv, window): the three switches together on every case, each alone on a few.
 GPT_OSS = ([1536, 2560], 64, 8, 64, 64)
 VARIANT_CASES = [

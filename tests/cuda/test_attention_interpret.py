@@ -14,7 +14,7 @@ import os
 
 import pytest
 import torch
-from cuda_attention_cases import make_case, run_both
+from cuda_attention_cases import VARIANTS, make_case, run_both
 
 from polyrl.core.tolerances import check_close
 
@@ -125,13 +125,6 @@ def _options(**kw):
     return KernelOptions(**kw)
 
 
-VARIANTS = {
-    "atomic": {"bwd": "atomic"},
-    "band": {"window_tiles": "band"},
-    "aligned": {"window_tiles": "aligned"},
-    "table": {"configs": "table"},
-    "all": {"bwd": "atomic", "window_tiles": "band", "configs": "table"},
-}
 # (variant, lengths, Hq, Hkv, D, Dv, window, sink, dtype). "all" (the three switches together) runs on every
 # layout: causal over several tiles, ragged with 1-token documents, a padded group (G = 3), windows inside a
 # tile / across tiles / of one key / longer than the documents, D != Dv, fp16; each switch alone on a few.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from linear_logprobs_cases import make_inputs, run_with_grads, triton_kernel
 
 from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.tolerances import relative_error, tolerance
@@ -16,36 +17,12 @@ pytestmark = [
 ]
 
 
-def _kernel():
-    from polyrl.backends.cuda.linear_logprobs import triton_linear_logprobs
-
-    return triton_linear_logprobs
-
-
-def _inputs(N, H, V, dtype, with_bias, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = (2 * torch.randn(N, H, generator=g)).to(dtype)
-    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
-    bias = (0.5 * torch.randn(V, generator=g)).to(dtype) if with_bias else None
-    labels = torch.randint(0, V, (N,), generator=g)
-    return hidden, weight, bias, labels, torch.randn(N, generator=g), torch.randn(N, generator=g)
-
-
-def _run(fn, hidden, weight, bias, labels, w_lp, w_ent, tau, **kw):
-    dev = "cuda"
-    leaves = [t.to(dev).requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
-    b = leaves[2] if bias is not None else None
-    lp, ent = fn(leaves[0], leaves[1], labels.to(dev), bias=b, temperature=tau, **kw)
-    ((lp * w_lp.to(dev)).sum() + (ent * w_ent.to(dev)).sum()).backward()
-    return [lp.detach().cpu(), ent.detach().cpu()] + [t.grad.cpu() for t in leaves]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("N,H,V,with_bias", [(1000, 256, 5001, False), (333, 128, 3000, True)])
 def test_triton_vs_fp64_full_logits(N, H, V, with_bias, dtype) -> None:
-    args = _inputs(N, H, V, dtype, with_bias)
+    args = make_inputs(N, H, V, dtype, with_bias)
     tau = 0.7
-    got = _run(_kernel(), *args, tau, chunk_size=256)
+    got = run_with_grads(triton_kernel(), *args, tau, device="cuda", chunk_size=256)
     leaves = [t.double().requires_grad_() for t in args[:2] + ((args[2],) if with_bias else ())]
     z = leaves[0] @ leaves[1].t() + (leaves[2] if with_bias else 0)
     logs = torch.log_softmax(z / tau, -1)
@@ -63,10 +40,10 @@ def test_triton_vs_fp64_full_logits(N, H, V, with_bias, dtype) -> None:
 
 def test_gpt_oss_width_forward_matches_reference() -> None:
     """H 2880, V 201088, bf16: the Triton statistics equal the chunked reference's within the bf16 bar."""
-    hidden, weight, _, labels, _, _ = _inputs(512, 2880, 201088, torch.bfloat16, False, seed=1)
+    hidden, weight, _, labels, _, _ = make_inputs(512, 2880, 201088, torch.bfloat16, False, seed=1)
     h, w, lab = hidden.cuda(), weight.cuda(), labels.cuda()
     with torch.no_grad():
-        lp, ent = _kernel()(h, w, lab, temperature=1.0)
+        lp, ent = triton_kernel()(h, w, lab, temperature=1.0)
         lp_ref, ent_ref = linear_logprobs_and_entropy(h, w, lab, chunk_size=512)
     for g, r in ((lp, lp_ref), (ent, ent_ref)):
         assert torch.isfinite(g).all()
@@ -86,7 +63,7 @@ def test_trainer_fused_path_equals_logits_path_on_gpu(name) -> None:
         prompts=[[1, 5, 6], [1, 7], [1, 8, 9, 10]], responses=[[3, 4, 2], [11, 12, 13, 14], [15]],
         logprobs=[[0.0] * 3, [0.0] * 4, [0.0]], group_ids=[0, 0, 1], device="cuda")
     outs = []
-    for kernel in (_kernel(), None):
+    for kernel in (triton_kernel(), None):
         model.zero_grad(set_to_none=True)
         kw = {"linear_logprobs": kernel} if kernel is not None else {}
         logp, ent = policy_forward(model, batch, [0, 1, 2], packed=True, pad_id=0, temperature=0.7, chunk_size=2,

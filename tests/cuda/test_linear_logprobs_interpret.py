@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from linear_logprobs_cases import make_inputs, run_with_grads, triton_kernel
 
 from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.tolerances import relative_error, tolerance
@@ -20,39 +21,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _kernel():
-    from polyrl.backends.cuda.linear_logprobs import triton_linear_logprobs
-
-    return triton_linear_logprobs
-
-
-def _inputs(N, H, V, dtype, with_bias, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    hidden = (2 * torch.randn(N, H, generator=g)).to(dtype)
-    weight = (torch.randn(V, H, generator=g) / H**0.5).to(dtype)
-    bias = (0.5 * torch.randn(V, generator=g)).to(dtype) if with_bias else None
-    labels = torch.randint(0, V, (N,), generator=g)
-    labels[-1] = V - 1  # a label in the last, partial vocabulary tile
-    return hidden, weight, bias, labels, torch.randn(N, generator=g), torch.randn(N, generator=g)
-
-
-def _run(fn, hidden, weight, bias, labels, w_lp, w_ent, tau, **kw):
-    leaves = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
-    b = leaves[2] if bias is not None else None
-    lp, ent = fn(leaves[0], leaves[1], labels, bias=b, temperature=tau, **kw)
-    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
-    return [lp.detach(), ent.detach()] + [t.grad for t in leaves]
-
-
 @pytest.mark.parametrize("N,H,V,dtype,with_bias,tau", [
     (37, 16, 120, torch.float32, True, 0.7),  # 3 token tiles (last ragged), 8 vocabulary tiles, bias
     (9, 16, 50, torch.float32, False, 1.0),  # one token tile, V not a multiple of 16
     (21, 32, 70, torch.float16, True, 1.3),  # fp16 tiles, fp32 accumulation
 ])
 def test_triton_equals_reference_and_full_logits(N, H, V, dtype, with_bias, tau) -> None:
-    args = _inputs(N, H, V, dtype, with_bias)
-    got = _run(_kernel(), *args, tau, chunk_size=8, vocab_chunk_size=32)
-    ref = _run(linear_logprobs_and_entropy, *args, tau, chunk_size=8, vocab_chunk_size=32)
+    args = make_inputs(N, H, V, dtype, with_bias, label_in_last_tile=True)
+    got = run_with_grads(triton_kernel(), *args, tau, chunk_size=8, vocab_chunk_size=32)
+    ref = run_with_grads(linear_logprobs_and_entropy, *args, tau, chunk_size=8, vocab_chunk_size=32)
     h, w, b, labels = (t.double() if t is not None and t.is_floating_point() else t for t in args[:4])
     z = h @ w.t() + (b if b is not None else 0)
     logs = torch.log_softmax(z / tau, -1)
@@ -71,11 +48,11 @@ def test_triton_equals_reference_and_full_logits(N, H, V, dtype, with_bias, tau)
 def test_triton_single_outputs() -> None:
     """Only the log-probs (compute_entropy=False), and only the entropy, carry a gradient: the kernel's
     HAS_GLP / HAS_GENT paths give the reference's gradients."""
-    hidden, weight, _, labels, w_lp, w_ent = _inputs(20, 16, 45, torch.float32, False, seed=3)
+    hidden, weight, _, labels, w_lp, w_ent = make_inputs(20, 16, 45, torch.float32, False, seed=3, label_in_last_tile=True)
     bar = tolerance("algorithms.linear_logprobs_grad", "float32")
     for use_lp, use_ent in ((True, False), (False, True)):
         grads = []
-        for fn in (_kernel(), linear_logprobs_and_entropy):
+        for fn in (triton_kernel(), linear_logprobs_and_entropy):
             h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
             lp, ent = fn(h, w, labels, compute_entropy=use_ent, vocab_chunk_size=16)
             ((lp * w_lp).sum() if use_lp else (ent * w_ent).sum()).backward()  # the other output unused: None

@@ -199,9 +199,10 @@ def digest_bytes(data: bytes | memoryview) -> dict[str, Any]:
     return {"size": len(data), "digest": hashlib.new(HASH, data).hexdigest()}
 
 
-def digest_file(path: Path) -> dict[str, Any]:
-    """Size and digest of a file, read back in chunks (the fallback when no digest was taken on the way)."""
-    h, size = hashlib.new(HASH), 0
+def digest_file(path: Path, algorithm: str = HASH) -> dict[str, Any]:
+    """Size and digest of a file, read back in chunks (the fallback when no digest was taken on the way, and
+    the verification before a load)."""
+    h, size = hashlib.new(algorithm), 0
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(_CHUNK)
         view = memoryview(buf)
@@ -267,11 +268,15 @@ def _safe_relative(step_dir: Path, name: str) -> Path:
     return step_dir / rel
 
 
-def _check_size(path: Path, expected: int) -> None:
+def _size_on_disk(path: Path, missing: str = "missing") -> int:
     try:
-        size = path.stat().st_size
+        return path.stat().st_size
     except FileNotFoundError:
-        raise CheckpointRefused(path, "missing") from None
+        raise CheckpointRefused(path, missing) from None
+
+
+def _check_size(path: Path, expected: int) -> None:
+    size = _size_on_disk(path)
     if size < expected:
         raise CheckpointRefused(path, f"truncated: {size} bytes on disk, {expected} were written")
     if size != expected:
@@ -279,13 +284,7 @@ def _check_size(path: Path, expected: int) -> None:
 
 
 def _check_digest(path: Path, record: dict[str, Any], algorithm: str) -> None:
-    h = hashlib.new(algorithm)
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(_CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    if h.hexdigest() != record.get("digest"):
+    if digest_file(path, algorithm)["digest"] != record.get("digest"):
         raise CheckpointRefused(path, f"checksum mismatch: the contents changed after it was written ({algorithm})")
 
 
@@ -295,12 +294,12 @@ def verify_files(step_dir: Path, marker: dict[str, Any], *, share: tuple[int, in
     digests of this rank's share ``(rank, world)`` of them, several files at once (hashlib releases the
     GIL). Legacy markers: presence of ``.metadata`` and of the per-rank files."""
     files = marker.get("files")
+    needed = [".metadata", *(f"extra/rank_{r}.pt" for r in range(marker["world_size"]))]
     if files is None:
-        for name in [".metadata", *(f"extra/rank_{r}.pt" for r in range(marker["world_size"]))]:
+        for name in needed:
             if not (step_dir / name).is_file():
                 raise CheckpointRefused(step_dir / name, "missing")
         return
-    needed = [".metadata", *(f"extra/rank_{r}.pt" for r in range(marker["world_size"]))]
     for name in needed:
         if name not in files:
             raise CheckpointRefused(step_dir / name, f"not recorded in {COMPLETE_MARKER}")
@@ -334,10 +333,7 @@ def verify_structure(step_dir: Path, marker: dict[str, Any]) -> Any:
         needed[name] = max(needed.get(name, 0), end)
     for name, end in sorted(needed.items()):
         path = _safe_relative(step_dir, name)
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise CheckpointRefused(path, "missing (named by the checkpoint's .metadata)") from None
+        size = _size_on_disk(path, "missing (named by the checkpoint's .metadata)")
         if size < end:
             raise CheckpointRefused(path, f"truncated: {size} bytes on disk, the checkpoint's index needs {end}")
     for r in range(marker["world_size"]):
