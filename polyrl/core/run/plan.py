@@ -51,11 +51,15 @@ def architecture_config(cfg: RunConfig, name: str | None = None, overrides: dict
         if os.path.isdir(name):
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(name, local_files_only=True)
+            from polyrl.core.models.checkpoint_formats import read_format, strip_quantization
+
+            quantized = read_format(name)  # a foreign quantization: refused here as in a run
+            config = strip_quantization(AutoConfig.from_pretrained(name, local_files_only=True))
             check_overrides(type(config), overrides, f"checkpoint {name!r}")
             for key, value in overrides.items():
                 setattr(config, key, value)
-            return config, f"checkpoint {name}"
+            loads = f": {quantized.describe(cfg.model.dtype)}" if quantized else ""
+            return config, f"checkpoint {name}{loads}"
         if name in PRESETS:
             return model_config(name, **overrides), f"preset {name}"
         if cfg.model.preset is not None:
