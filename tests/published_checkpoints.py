@@ -152,3 +152,28 @@ def write_deepseek_fp8(bf16_dir: str | Path, out: str | Path, shards: int = 3) -
             tensors[name] = t.to(torch.bfloat16)
     _write_shards(tensors, out, shards)
     return expected
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+TINY = {"gpt_oss": ("gpt_oss_tiny", write_gpt_oss_mxfp4), "deepseek_v3": ("deepseek_v3_tiny", write_deepseek_fp8)}
+
+
+def write_tiny(root: Path, arch: str) -> dict:
+    """The tiny preset of ``arch`` ("gpt_oss" | "deepseek_v3") in bf16 with a tokenizer and a chat template
+    (``original``), its published-layout encoding (``published``), and a float directory holding exactly the
+    values the encoding stands for (fp32) under the original's names (``reference``); ``expected`` as returned
+    by the writer."""
+    from polyrl.core.models import build_model
+    from polyrl.core.models.tokenizer import build_tiny_tokenizer
+
+    preset, write = TINY[arch]
+    original = root / "bf16"
+    build_model(preset, dtype=torch.bfloat16, seed=0, attn_implementation="eager").save_pretrained(original)
+    build_tiny_tokenizer().save_pretrained(original)
+    (original / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    expected = write(original, root / "published")
+    reference = root / "reference"
+    reference.mkdir()
+    save_file({**_read(original), **expected}, reference / "model.safetensors", metadata={"format": "pt"})
+    shutil.copy2(original / "config.json", reference / "config.json")
+    return {"original": original, "published": root / "published", "reference": reference, "expected": expected}

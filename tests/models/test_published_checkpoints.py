@@ -11,13 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from published_checkpoints import (
-    DEEPSEEK_FP8_CONFIG,
-    fp8_block_encode,
-    mxfp4_encode,
-    write_deepseek_fp8,
-    write_gpt_oss_mxfp4,
-)
+from published_checkpoints import CHAT_TEMPLATE, DEEPSEEK_FP8_CONFIG, TINY, fp8_block_encode, mxfp4_encode, write_tiny
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -25,10 +19,6 @@ from polyrl.cli import main as cli_main
 from polyrl.core.errors import BadInputError
 from polyrl.core.models import build_model
 from polyrl.core.models.checkpoint_formats import dequantize_fp8_blocks, read_format
-from polyrl.core.models.tokenizer import build_tiny_tokenizer
-
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-ARCHS = {"gpt_oss": ("gpt_oss_tiny", write_gpt_oss_mxfp4), "deepseek_v3": ("deepseek_v3_tiny", write_deepseek_fp8)}
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -41,23 +31,7 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, dict]:
-    """Per architecture: the bf16 original, the published-layout encoding of it, and a float reference
-    directory holding exactly the values the encoding stands for (fp32) under the original's names."""
-    out = {}
-    for arch, (preset, write) in ARCHS.items():
-        root = tmp_path_factory.mktemp(arch)
-        original = root / "bf16"
-        build_model(preset, dtype=torch.bfloat16, seed=0, attn_implementation="eager").save_pretrained(original)
-        build_tiny_tokenizer().save_pretrained(original)
-        (original / "chat_template.jinja").write_text(CHAT_TEMPLATE)
-        expected = write(original, root / "published")
-        reference = root / "reference"
-        reference.mkdir()
-        save_file({**_tensors(original), **expected}, reference / "model.safetensors", metadata={"format": "pt"})
-        (reference / "config.json").write_text((original / "config.json").read_text())
-        out[arch] = {"original": original, "published": root / "published", "reference": reference,
-                     "expected": expected}
-    return out
+    return {arch: write_tiny(tmp_path_factory.mktemp(arch), arch) for arch in TINY}
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -86,7 +60,7 @@ def test_the_published_configs_are_recognised(checkpoints) -> None:
     assert read_format(checkpoints["gpt_oss"]["original"]) is None
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_load_gives_exactly_the_encoded_values_and_their_logits(checkpoints, arch, dtype) -> None:
     """The dequantized model equals, weight for weight and logit for logit, the plain float checkpoint holding the
@@ -152,7 +126,7 @@ def test_block_fp8_dequantization_handles_partial_edge_blocks() -> None:
         dequantize_fp8_blocks(q, scale[:, :1], (128, 128), torch.float32)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY)
 def test_one_training_step_moves_the_dequantized_weights(checkpoints, arch) -> None:
     model = build_model(checkpoints[arch]["published"], dtype=torch.float32, attn_implementation="eager").train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -167,7 +141,7 @@ def test_one_training_step_moves_the_dequantized_weights(checkpoints, arch) -> N
 
 
 # --- export ----------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", TINY)
 def test_export_of_a_published_directory_reloads_as_the_dequantized_model(checkpoints, arch, tmp_path) -> None:
     """`polyrl export PUBLISHED OUT`: bf16 safetensors under the float model's names, config without the
     quantization block, tokenizer and chat template copied; transformers loads it as a plain model whose weights
