@@ -126,7 +126,9 @@ def write_gpt_oss_mxfp4(bf16_dir: str | Path, out: str | Path, shards: int = 3) 
     tensors, expected = {}, {}
     for name, t in _read(src).items():
         if re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)", name):
-            blocks, scales, decoded = mxfp4_encode(t.transpose(1, 2))  # [E, in, out] -> along `in` per row
+            # [E, in, out] -> along `in` per row; one expert at a time bounds the encoder's temporaries
+            parts = [mxfp4_encode(t[e].transpose(0, 1)) for e in range(t.shape[0])]
+            blocks, scales, decoded = (torch.stack(x) for x in zip(*parts))
             tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
             expected[name] = decoded.transpose(1, 2).contiguous()
         else:

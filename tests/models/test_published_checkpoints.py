@@ -122,6 +122,9 @@ def test_block_fp8_dequantization_handles_partial_edge_blocks() -> None:
     for i, j in [(0, 0), (127, 127), (128, 128), (299, 199), (200, 50), (10, 150)]:
         assert got[i, j] == q[i, j].float() * scale[i // 128, j // 128]  # fp32 x fp32
     assert torch.equal(got, decoded)
+    for chunk in (1, 128 * 200, 256 * 200):  # one row of blocks at a time, or two: the same result
+        assert torch.equal(dequantize_fp8_blocks(q, scale, (128, 128), torch.float32, chunk_elements=chunk), got)
+    assert torch.equal(dequantize_fp8_blocks(q, scale, (128, 128), torch.bfloat16), decoded.to(torch.bfloat16))
     with pytest.raises(BadInputError, match=r"does not match weight \[300, 200\]"):
         dequantize_fp8_blocks(q, scale[:, :1], (128, 128), torch.float32)
 

@@ -97,10 +97,16 @@ def strip_quantization(config: Any) -> Any:
 
 
 # --- block FP8 --------------------------------------------------------------------------------------------------
+# fp32 elements converted at a time: whole rows of blocks, ~64 MiB of temporaries (the largest DeepSeek-V3 weight,
+# 18432 x 7168, is 8 steps)
+CHUNK_ELEMENTS = 1 << 24
+
+
 def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
-                          dtype: torch.dtype, *, name: str = "weight") -> torch.Tensor:
-    """float8 [rows, cols] x scale_inv [ceil(rows/bm), ceil(cols/bn)] -> ``dtype``, one row of blocks at a time
-    (fp32 temporaries of bm rows, not of the whole matrix). Edge blocks may be partial."""
+                          dtype: torch.dtype, *, name: str = "weight",
+                          chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """float8 [rows, cols] x scale_inv [ceil(rows/bm), ceil(cols/bn)] -> ``dtype`` (fp32 products, rounded once),
+    a few rows of blocks at a time. Edge blocks may be partial (DeepSeek-V3's kv_a_proj_with_mqa: 576 rows)."""
     bm, bn = block
     if weight.dim() != 2:
         raise BadInputError(f"{name}: block-FP8 weight of shape {list(weight.shape)}; expected 2 dimensions")
@@ -111,11 +117,24 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: 
                             f"{[rows, cols]} in {bm}x{bn} blocks (expected {list(expected)})")
     out = torch.empty(rows, cols, dtype=dtype)
     scale = scale_inv.float()
-    for i in range(expected[0]):
-        r = slice(i * bm, min((i + 1) * bm, rows))
-        row_scale = scale[i].repeat_interleave(bn)[:cols]
-        out[r] = (weight[r].float() * row_scale).to(dtype)
+    step = bm * max(1, chunk_elements // (bm * cols))
+    for r0 in range(0, rows, step):
+        part = weight[r0:r0 + step].float()
+        _scale_blocks_(part, scale[r0 // bm: r0 // bm + math.ceil(part.shape[0] / bm)], bm, bn)
+        out[r0:r0 + step] = part
     return out
+
+
+def _scale_blocks_(x: torch.Tensor, scale: torch.Tensor, bm: int, bn: int) -> None:
+    """``x`` [n, c] *= ``scale`` [ceil(n/bm), ceil(c/bn)], each scale over its bm x bn block, in place: whole
+    blocks as a broadcast over a blocked view (no expanded scale tensor), the partial last row / column apart."""
+    n, c = x.shape
+    fr, fc = n // bm * bm, c // bn * bn
+    for r, sr, h in ((slice(0, fr), slice(0, fr // bm), bm), (slice(fr, n), slice(fr // bm, None), n - fr)):
+        for col, sc, w in ((slice(0, fc), slice(0, fc // bn), bn), (slice(fc, c), slice(fc // bn, None), c - fc)):
+            region = x[r, col]
+            if region.numel():
+                region.unflatten(0, (-1, h)).unflatten(2, (-1, w)).mul_(scale[sr, sc][:, None, :, None])
 
 
 class _Fp8Tensor:
