@@ -1,5 +1,6 @@
 """Recipe configuration: the typed schema and its loader (see ``schema`` and ``loader``)."""
 
+from polyrl.core.config.checks import check_batch_split, check_config
 from polyrl.core.config.loader import (
     PACKAGED_RECIPES,
     apply_overrides,
@@ -36,6 +37,8 @@ __all__ = [
     "RunConfig",
     "TrainerConfig",
     "apply_overrides",
+    "check_batch_split",
+    "check_config",
     "config_from_dict",
     "dump_config",
     "load_config",
