@@ -133,10 +133,16 @@ class Trainer:
                 step = self.state.step
                 if (self.cfg.trainer.save_every > 0 and step % self.cfg.trainer.save_every == 0) or step == total:
                     self.save(run_dir.checkpoints, log)
-        except KeyboardInterrupt:
-            # 4. the stop path: a signal (or a collective broken by a stopping peer). A checkpoint being written
-            # was abandoned: only complete ones are ever loaded.
-            signum = L.stop_signal() or 2  # None: a KeyboardInterrupt raised by Python's own handler
+        except TrainingAborted:
+            raise
+        except BaseException as exc:
+            # 4. the stop path: a signal — its KeyboardInterrupt, or whatever it became on the way out (DCP wraps
+            # it in a CheckpointException; a stopping peer breaks a collective). A checkpoint being written was
+            # abandoned: only complete ones are ever loaded.
+            signum = L.stop_signal()
+            if signum is None and not isinstance(exc, KeyboardInterrupt):
+                raise
+            signum = signum or 2  # None: a KeyboardInterrupt raised by Python's own handler
             raise RunStopped(signum, stopped_message(L.signal_name(signum), self.state.step,
                                                      run_dir.checkpoints)) from None
         finally:
