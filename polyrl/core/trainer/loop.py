@@ -171,11 +171,13 @@ class Trainer:
         exp = self.collect()
         metrics = dict(exp.metrics)
         if exp.batch is not None:
+            t1 = time.perf_counter()
             inputs = self.prepare_update(exp)
             if inputs.reward_kl is not None:  # the adaptive KL controller learns from this batch's KL
                 self.state.kl_ctrl.update(inputs.reward_kl, n_steps=exp.batch.size)
             metrics.update(inputs.metrics)
-            metrics["time/prepare_s"] = time.perf_counter() - exp.metrics["time/rollout_s"] - t0
+            # from the old log-probs to the advantages, as in polyrl 0.1
+            metrics["time/prepare_s"] = exp.metrics["time/old_logprob_s"] + time.perf_counter() - t1
             metrics.update(self.update(inputs).values)
         # LR schedule: once per training step
         metrics["actor/lr"] = self.models.optimizer.param_groups[0]["lr"]
