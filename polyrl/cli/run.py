@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core.plugins.selection import set_active_backend
 
     if args.emulate:
-        from polyrl.testing.emulation import enable_emulation
+        from polyrl.emulation import enable_emulation
 
         enable_emulation(args.backend)
     overrides = list(args.overrides)

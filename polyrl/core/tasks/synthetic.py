@@ -25,7 +25,7 @@ import random
 from collections.abc import Callable
 
 from polyrl.core.errors import BadInputError
-from polyrl.core.tasks import Example
+from polyrl.core.tasks.example import Example
 
 DIGITS = [str(d) for d in range(10)]
 
