@@ -78,7 +78,7 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core.plugins.selection import set_active_backend
 
     if args.emulate:
-        from polyrl.testing.emulation import enable_emulation
+        from polyrl.emulation import enable_emulation
 
         enable_emulation(args.backend)
     overrides = [*args.overrides, *([f"trainer.seed={args.seed}"] if args.seed is not None else []),

@@ -16,29 +16,13 @@ Plugins add tasks through the ``polyrl_register_tasks`` hook: ``register("name",
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from polyrl.core.errors import BadInputError
-
-
-@dataclasses.dataclass
-class Example:
-    """One prompt and its reference answer.
-
-    ``prompt``: for synthetic tasks, whitespace-separated symbols that are all in ``task.vocab()``
-    (e.g. ``"copy : 3 1 4 ="``); for text tasks, the prompt text. ``group_id`` names the prompt: the
-    trainer samples several responses per example and they share it (GRPO/DAPO groups). ``meta`` holds
-    task-specific extras (e.g. the chat messages and source row of a math example).
-    """
-
-    prompt: str
-    answer: str
-    group_id: int | str
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+from polyrl.core.tasks.example import Example
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ from typing import Any
 from polyrl.core.data import load_rows
 from polyrl.core.errors import BadInputError
 from polyrl.core.rewards.math import INCORRECT, math_reward
-from polyrl.core.tasks import Example
+from polyrl.core.tasks.example import Example
 
 
 class MathTask:

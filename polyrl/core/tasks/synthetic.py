@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from polyrl.core.errors import BadInputError
-from polyrl.core.tasks import Example
+from polyrl.core.tasks.example import Example
 
 DIGITS = [str(d) for d in range(10)]
 

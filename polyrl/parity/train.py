@@ -108,7 +108,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
 
     from polyrl.core.plugins import list_backends
     from polyrl.core.trainer import Trainer
-    from polyrl.testing.parity import FAIL, NOT_RUN, PASS, ParityRow
+    from polyrl.parity.rows import FAIL, NOT_RUN, PASS, ParityRow
 
     cpu = list_backends()["cpu"]
     for recipe in recipes:
@@ -249,7 +249,7 @@ def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int =
                   dtype: str | None = None, recipes: Sequence[str] = TINY_RECIPES) -> None:
     """Rows of the recipe level: per tiny recipe, reward MAE, final reward difference, loss MAE."""
     from polyrl.core.tolerances import TOLERANCES
-    from polyrl.testing.parity import FAIL, PASS, ParityRow
+    from polyrl.parity.rows import FAIL, PASS, ParityRow
 
     with tempfile.TemporaryDirectory(prefix="polyrl-parity-") as tmp:
         jobs_list = [(recipe, side, seed) for recipe in recipes for seed in seeds for side in ("backend", "cpu")]
