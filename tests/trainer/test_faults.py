@@ -152,7 +152,7 @@ def test_a_run_directory_that_turns_read_only(
             how.append(stack.enter_context(read_only(out / "checkpoints")))
             if how[-1] is None:  # root without mount: inject what the kernel would say
                 path = out / "checkpoints" / "step_00000002.tmp"
-                m.setattr(I, "hashing_storage_writer",
+                m.setattr(C, "hashing_storage_writer",
                           lambda p: (_ for _ in ()).throw(OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))))
 
         _before_step(m, 2, lock_checkpoints)

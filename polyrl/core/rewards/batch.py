@@ -46,10 +46,6 @@ class ScoreStats:
     crashed: int = 0
     last_failure: str = dataclasses.field(default="", compare=False)
 
-    @property
-    def failed(self) -> int:
-        return self.errors + self.timeouts
-
 
 def score_batch(task: ScoredTask, examples: Sequence[Any], responses: Sequence[str], *,
                 timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[float], ScoreStats]:

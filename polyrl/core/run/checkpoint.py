@@ -270,10 +270,9 @@ def save_checkpoint(
     trainer (objects with state_dict()). Absent or None entries are skipped. ``keep``: how many complete
     checkpoints to keep (None keeps all). Returns the published directory.
 
-    Refused before anything is written (``NotEnoughSpace``) when the file system has less free space than the
-    checkpoint takes (``faults.expected_bytes``). A save that fails removes its partial ``step_N.tmp``; one that failed
-    for lack of space raises ``NotEnoughSpace`` (from the error DCP or torch raised). The previous checkpoints
-    are untouched either way.
+    Refused before writing (``NotEnoughSpace``) when the file system has less free space than the checkpoint
+    takes (``faults.expected_bytes``); a failed save removes its ``step_N.tmp`` (``NotEnoughSpace`` when it
+    failed for lack of space), earlier checkpoints untouched.
     """
     root = Path(ckpt_dir)
     final = root / step_dirname(step)
