@@ -160,8 +160,8 @@ def test_a_worker_that_ignores_its_alarm_is_killed_by_the_batch_deadline(monkeyp
 
 def remote_crashing(answer: str, response: str) -> float:
     """A verifier that kills its own process: a segfault in C code, or the OOM killer (no core file left)."""
-    import os
     import faulthandler
+    import os
     import resource
     import signal
 
