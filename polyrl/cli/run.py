@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
         from polyrl.core.errors import BadInputError
 
         raise BadInputError("--nnodes, --json and --device-memory go with --dry-run (a multi-node run is started "
-                            "by torchrun on each node: docs/distributed.md)")
+                            "by `torchrun --nnodes M --nproc-per-node N ... -m polyrl run` on each node)")
     if args.dry_run:
         from polyrl.cli.dry_run import dry_run
 
