@@ -20,6 +20,7 @@ from polyrl.core.config.schema import (
     OverlongConfig,
     RolloutConfig,
     RunConfig,
+    ShardingConfig,
     TrainerConfig,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "OverlongConfig",
     "RolloutConfig",
     "RunConfig",
+    "ShardingConfig",
     "TrainerConfig",
     "apply_overrides",
     "config_from_dict",
