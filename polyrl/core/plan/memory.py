@@ -312,7 +312,7 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     state_total = state_bytes + ref_bytes + critic_state
 
     # --- the update: activations of one micro-batch and the log-prob path ---
-    native = "varlen_attention" in backend.native_kernels and cfg.model.attn_implementation == "polyrl"
+    native = "varlen_attention" in backend.provided_kernels() and cfg.model.attn_implementation == "polyrl"
     attention = (f"polyrl ({'native kernel of ' + backend.name if native else 'exact reference'})"
                  if cfg.model.attn_implementation == "polyrl" else cfg.model.attn_implementation)
     longest = data.max_prompt_length + ro.max_response_length

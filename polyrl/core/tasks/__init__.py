@@ -33,7 +33,9 @@ class Task(Protocol):
     {-1, +1}. ``failure_score`` is what a response scores when its reward raises or times out (0.0,
     resp. -1.0). ``max_response_tokens`` is the default generation budget (a recipe may override it).
 
-    Optional: a task whose scoring may be slow or hang (math) sets ``remote_score`` to a picklable
+    Optional: ``state_dict()`` / ``load_state_dict(state)`` for a task that keeps a position in its prompt
+    stream (the built-in tasks: the next group id, the math task's epoch order): saved in checkpoints.
+    A task whose scoring may be slow or hang (math) sets ``remote_score`` to a picklable
     top-level function ``(answer, response) -> float``; :func:`polyrl.core.rewards.score_batch` then
     runs it in worker processes under a hard time bound instead of calling ``score`` inline.
     """
