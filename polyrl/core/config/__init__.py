@@ -1,5 +1,6 @@
 """Recipe configuration: the typed schema and its loader (see ``schema`` and ``loader``)."""
 
+from polyrl.core.config.checks import check_config
 from polyrl.core.config.loader import (
     PACKAGED_RECIPES,
     apply_overrides,
@@ -38,6 +39,7 @@ __all__ = [
     "ShardingConfig",
     "TrainerConfig",
     "apply_overrides",
+    "check_config",
     "config_from_dict",
     "dump_config",
     "load_config",
