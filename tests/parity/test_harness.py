@@ -56,6 +56,13 @@ def test_a_buggy_backend_fails_op_parity_on_sink_cases_naming_the_symptom():
     assert all(r.detail.startswith("output differs") for r in failed if r.case.endswith(": out"))
 
 
+def test_model_level_runs_each_model_on_its_own_backend():
+    """The cpu reference and the backend under test share weights in one process: each side must run its own
+    attention, so the planted sink bug fails GPT-OSS (sinks) and leaves DeepSeek-V3 (none) passing."""
+    rows = {r.case: r.status for r in run_parity(WrongScaleBackend(), ("model",))}
+    assert rows == {"gpt_oss_tiny packed logprobs": FAIL, "deepseek_v3_tiny packed logprobs": PASS}
+
+
 def test_cli_unavailable_backend_is_not_run_and_exits_1():
     proc = subprocess.run([sys.executable, "-m", "polyrl", "parity", "--backend", "cuda", "--json"],
                           capture_output=True, text=True)
