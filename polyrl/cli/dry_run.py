@@ -30,8 +30,8 @@ def plan_backend(name: str | None) -> Any:
 
 def dry_run(cfg: Any, *, nproc: int = 1, nnodes: int = 1, as_json: bool = False,
             device_memory_gib: float | None = None) -> int:
-    from polyrl.core.config import check_batch_split, dump_config
-    from polyrl.core.distributed.sharding import check_sharding
+    from polyrl.core.config import dump_config
+    from polyrl.core.distributed.sharding import check_placement
     from polyrl.core.errors import BadInputError
     from polyrl.core.plan import plan_memory
     from polyrl.core.trainer.setup import build_task
@@ -42,8 +42,7 @@ def dry_run(cfg: Any, *, nproc: int = 1, nnodes: int = 1, as_json: bool = False,
     if nproc < 1 or nnodes < 1:
         raise BadInputError(f"--nproc and --nnodes must be >= 1, got {nproc} and {nnodes}")
     world = nproc * nnodes
-    check_sharding(backend, world, cfg.sharding)
-    check_batch_split(cfg, world)
+    check_placement(cfg, backend, world)
     vocab = None
     if cfg.data.path is not None and not Path(cfg.data.path).exists():  # inspect a recipe before the download
         print(f"polyrl run: data.path {cfg.data.path}: not checked: file absent", file=sys.stderr)

@@ -65,10 +65,10 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
     import torch
 
     from polyrl.core import algorithms as A
+    from polyrl.core.attention.hf import bind_backend
     from polyrl.core.models import build_model
     from polyrl.core.plugins import list_backends
     from polyrl.core.tolerances import TOLERANCES, check_close
-    from polyrl.parity.train import active_backend
 
     rows: list[ParityRow] = []
     emit = _emitter(rows, on_row)
@@ -76,15 +76,16 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
     positions = torch.cat([torch.arange(n) for n in doc_lens])[None]
     cpu = list_backends()["cpu"]
     for preset in ("gpt_oss_tiny", "deepseek_v3_tiny"):
-        model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32,
+        model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32, backend=cpu,
                             overrides={"sliding_window": 4} if preset.startswith("gpt_oss") else None)
         ids = torch.randint(0, 32, (1, sum(doc_lens)), generator=torch.Generator().manual_seed(1))
         labels = ids[:, 1:]
-        with active_backend(cpu), torch.no_grad():
+        with torch.no_grad():
             ref = A.logprobs_from_logits(model(input_ids=ids, position_ids=positions).logits[:, :-1], labels)
         dev = backend.device(0)
         dut_model = model.to(dev, getattr(torch, dtype))
-        with active_backend(backend), torch.no_grad():
+        bind_backend(dut_model, backend)  # the same weights, now on the backend under test
+        with torch.no_grad():
             logits = dut_model(input_ids=ids.to(dev), position_ids=positions.to(dev)).logits[:, :-1]
             got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
         key = ("model.logprobs", dtype)

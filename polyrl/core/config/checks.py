@@ -1,8 +1,8 @@
 """Cross-field checks of a recipe: the rules the per-field types cannot express.
 
 :func:`check_config` runs once, when a config is loaded (``load_config`` / ``config_from_dict``), so the dry
-run, the launcher and every worker see the same verdict; :func:`check_batch_split` needs the world size and
-runs where that is known (the ``--nproc`` launcher, before any worker starts).
+run, the launcher and every worker see the same verdict. What depends on the world size is
+``polyrl.core.distributed.sharding.check_placement``.
 """
 
 from __future__ import annotations
@@ -32,11 +32,3 @@ def check_config(cfg: RunConfig) -> None:
     if alg.adv_estimator == "grpo" and ro.n < 2:
         raise BadInputError("rollout.n: grpo needs at least 2 samples per prompt")
 
-
-def check_batch_split(cfg: RunConfig, world: int) -> None:
-    """Each of ``world`` processes takes an equal share of the prompts."""
-    if cfg.data.batch_size % world:
-        raise BadInputError(
-            f"data.batch_size ({cfg.data.batch_size}) must be a multiple of --nproc ({world}): "
-            "each process takes an equal share of the prompts"
-        )

@@ -69,7 +69,8 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
         raise BadInputError(f"model.tokenizer: cannot load a tokenizer from {source!r} ({exc})") from None
 
 
-def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int) -> torch.nn.Module:
+def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int,
+              backend: Any = None) -> torch.nn.Module:
     from polyrl.core.models import build_model
 
     try:
@@ -77,6 +78,7 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
             name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
             experts_implementation=cfg.model.experts_implementation,
             dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
+            backend=backend,  # the model's attention runs this backend's kernel, whatever the process's is
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None
@@ -111,7 +113,7 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
 
     seed = cfg.trainer.seed
     vocab = vocab_size
-    actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed).to(device)
+    actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend).to(device)
     alg = cfg.algorithm
     ref = None
     if alg.use_kl_in_reward or alg.use_kl_loss:
@@ -120,7 +122,7 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
     if alg.adv_estimator == "gae":
         name = cfg.model.critic_name or cfg.model.name
         overrides = {**cfg.model.overrides, **cfg.model.critic_overrides}
-        critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1)).to(device)
+        critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1, backend)).to(device)
     actor = apply_sharding(actor, backend, cfg.sharding)
     if ref is not None:
         ref = apply_sharding(ref, backend, cfg.sharding)
