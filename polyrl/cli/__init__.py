@@ -57,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except Fault as exc:
         print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return 1  # a fault of the machine: not bad input
     except KeyboardInterrupt:
         print(f"polyrl {args.command}: interrupted", file=sys.stderr)
         return 130
