@@ -8,7 +8,15 @@ place on import when transformers is installed (see :mod:`polyrl.core.attention.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
+
+
+def _install_moved_module_aliases() -> None:
+    # Old module paths (polyrl.testing.parity, polyrl.core.backend, ...) stay importable, with a warning, for
+    # one minor version: see polyrl/_moved.py.
+    from polyrl import _moved
+
+    _moved.install()
 
 
 def _register_transformers_attention() -> None:
@@ -21,4 +29,5 @@ def _register_transformers_attention() -> None:
     hf_attention.register()
 
 
+_install_moved_module_aliases()
 _register_transformers_attention()

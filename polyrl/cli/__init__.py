@@ -3,7 +3,8 @@
 Each sub-command lives in its own module exposing ``add_parser(subparsers)`` and ``main(args) -> int``.
 Exit codes: 0 success, 1 anything else, 2 bad input — a one-line message on stderr, no
 traceback, nothing on disk touched. Sub-command modules raise ``BadInputError`` for bad input and this
-front turns it into the message and the code.
+front turns it into the message and the code; a fault of the machine (``Fault``: a full disk, ...) is one
+line too, with exit 1.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import sys
 from collections.abc import Sequence
 
 from polyrl.core.errors import BadInputError
+from polyrl.core.run.faults import Fault
 
-# name -> module under polyrl.cli; imported only when the sub-command runs, so `polyrl backends`
-# never pays for the trainer's imports.
+# name -> module under polyrl.cli. Every module is imported to build the parser, so each keeps its top level
+# light and imports the heavy parts (torch, the trainer) inside its ``main``: `polyrl backends` never pays for them.
 COMMANDS: dict[str, str] = {
     "run": "polyrl.cli.run",
     "backends": "polyrl.cli.backends",
@@ -26,15 +28,11 @@ COMMANDS: dict[str, str] = {
     "export": "polyrl.cli.export",
 }
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on bad usage already; keep its message to one line plus the usage."""
+EXIT_BAD_INPUT = 2  # argparse's own code for bad usage, so every bad input exits alike
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    parser = _Parser(prog="polyrl", description="RL post-training across CPU, NVIDIA GPUs and Ascend NPUs")
+    parser = argparse.ArgumentParser(prog="polyrl", description="RL post-training across CPU, NVIDIA GPUs and Ascend NPUs")
     from polyrl import __version__
 
     parser.add_argument("--version", action="version", version=f"polyrl {__version__}")
@@ -42,12 +40,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     sub.required = True
     modules: dict[str, object] = {}
     for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # sub-command not built in this version
+        module = importlib.import_module(module_name)
         module.add_parser(sub)
         modules[name] = module
     return parser, modules
@@ -62,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInputError as exc:
         print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Fault as exc:
+        print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
+        return 1  # a fault of the machine: not bad input
     except KeyboardInterrupt:
         print(f"polyrl {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -56,9 +56,11 @@ class DataConfig:
     max_prompt_length: int = 1024
     # Prompts per training step (before the rollout's n samples each).
     batch_size: int = 16
-    shuffle: bool = True
     # Wall-clock bound of one reward computation; a timeout scores as failure and is counted.
     reward_timeout_s: float = 5.0
+    # Stop the run when every reward of this many generation batches in a row failed (raised, timed out, or its
+    # worker died: a broken verifier, not a hard batch); 0 = never stop.
+    reward_max_failures_in_row: int = 3
 
 
 @dataclass
