@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from polyrl.cli import main as cli_main
 from polyrl.core.errors import BadInputError
 from polyrl.core.models import build_model
-from polyrl.core.models.checkpoint_formats import dequantize_fp8_blocks, read_format
+from polyrl.core.models.checkpoint_formats import dequantize_fp8_blocks, dequantized_bytes, read_format
 
 
 def _tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -158,6 +158,10 @@ def test_export_of_a_published_directory_reloads_as_the_dequantized_model(checkp
     written = _tensors(out)
     assert not any(k.endswith(("_blocks", "_scales", "_scale_inv")) for k in written)
     assert all(t.dtype in (torch.bfloat16, torch.float32) for t in written.values())
+    side = sum(f.stat().st_size for f in c["published"].iterdir() if f.suffix != ".safetensors")
+    # the free-space check before the export counts exactly the weights it then writes
+    assert dequantized_bytes(c["published"], torch.bfloat16) - side == sum(
+        t.numel() * t.element_size() for t in written.values())
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")

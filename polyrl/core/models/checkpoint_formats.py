@@ -312,6 +312,35 @@ def dequantize_checkpoint(src: str | os.PathLike, out: str | os.PathLike, dtype:
     return out
 
 
+def dequantized_bytes(src: str | os.PathLike, dtype: torch.dtype) -> int:
+    """What ``dequantize_checkpoint(src, ..., dtype)`` writes, from the shards' headers (nothing is read)."""
+    from safetensors import safe_open
+
+    fmt = read_format(src)
+    item = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for file in shard_files(src):
+        with safe_open(str(file), framework="pt") as handle:
+            names = set(handle.keys())
+            for key in names:
+                view = handle.get_slice(key)
+                numel = math.prod(view.get_shape())
+                if key.endswith(("_scales", _SCALE_SUFFIX)):
+                    continue
+                if fmt is not None and fmt.method == "mxfp4" and key.endswith("_blocks"):
+                    total += 2 * numel * item  # two e2m1 values per byte
+                elif key + _SCALE_SUFFIX in names or view.get_dtype().startswith("F8"):
+                    total += numel * item
+                else:
+                    total += numel * torch.empty(0, dtype=_SAFETENSORS_DTYPES.get(view.get_dtype(), torch.uint8)
+                                                 ).element_size()
+    return total + sum(f.stat().st_size for f in Path(src).iterdir() if f.is_file() and f.suffix != ".safetensors")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "BOOL": torch.bool}
+
+
 def _dequantized(key: str, where: dict[str, Any], fmt: QuantizedFormat, dtype: torch.dtype):
     """(name, tensor) pairs for checkpoint tensor ``key``: a quantized weight dequantized to ``dtype``, none for
     its scales (read with it), any other tensor as stored (the published float tensors are bf16 already, and the

@@ -105,7 +105,7 @@ def export_checkpoint(
     mixing two models' files, and a checkpoint that fails verification (``polyrl.core.run.integrity``), naming
     the file and the newest earlier checkpoint that verifies; it never exports that one in its place.
     """
-    from polyrl.core.models.checkpoint_formats import dequantize_checkpoint, read_format
+    from polyrl.core.models.checkpoint_formats import dequantize_checkpoint, dequantized_bytes, read_format
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -114,7 +114,9 @@ def export_checkpoint(
         torch_dtype(dtype, what="export dtype")  # checked before anything is read or written
     source = Path(checkpoint)
     if source.is_dir() and read_format(source) is not None:
-        return dequantize_checkpoint(source, out, torch_dtype("bfloat16" if dtype == "auto" else dtype))
+        float_dtype = torch_dtype("bfloat16" if dtype == "auto" else dtype)
+        with writing_whole(out, dequantized_bytes(source, float_dtype), "the export"):
+            return dequantize_checkpoint(source, out, float_dtype)
     step_dir = resolve_checkpoint(checkpoint)
     meta_dir = find_metadata(step_dir)
     model = build_model_from_metadata(meta_dir)  # parses config.json: a broken one is refused there
