@@ -80,7 +80,9 @@ def test_a_foreign_quantization_is_refused_in_one_line(published, tmp_path, caps
     (awq / "config.json").write_text(json.dumps(config))
     line = (f"polyrl run: error: model.name: checkpoint {str(awq)!r} is quantized with 'awq'; polyrl trains from "
             "float weights and dequantizes only mxfp4 and fp8 (block-scaled): convert it to bf16 first")
-    for extra in (["--dry-run"], ["--output", str(tmp_path / "run"), "--no-progress"]):
+    # the dry run, a run, and the --nproc launcher before it starts any worker
+    for extra in (["--dry-run"], ["--output", str(tmp_path / "run"), "--no-progress"],
+                  ["--nproc", "2", "--output", str(tmp_path / "run"), "--no-progress"]):
         rc, out, err = _cli(["run", RECIPES["gpt_oss"], f"model.name={awq}", *extra], capsys)
         assert rc == 2 and out == ""
         assert err.strip().splitlines() == [line]

@@ -88,6 +88,14 @@ def read_format(path: str | os.PathLike) -> QuantizedFormat | None:
                         f"only {' and '.join(SUPPORTED)} (block-scaled): convert it to bf16 first")
 
 
+def check_formats(*names: str | None) -> None:
+    """``read_format`` of each name that is a checkpoint directory: a foreign quantization refused up front (the
+    ``--nproc`` launcher, before any worker starts)."""
+    for name in names:
+        if name is not None and os.path.isdir(name):
+            read_format(name)
+
+
 def strip_quantization(config: Any) -> Any:
     """``config`` without its quantization block, so nothing downstream (export, the rollout engine's saved
     copy, a meta-device build) takes the float weights for quantized ones."""
