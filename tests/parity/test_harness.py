@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 
 from planted_backends import WrongScaleBackend
 
@@ -90,7 +91,7 @@ def test_cli_states_the_dtype_and_references_and_prints_bars_to_two_digits(capsy
     rc = polyrl_main(["parity", "--backend", "cpu", "--level", "op", "--level", "model", "--dtype", "bfloat16"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
-    assert out[0] == "parity of backend cpu (polyrl 0.1.0) in bfloat16 (given by --dtype)"
+    assert out[0] == f"parity of backend cpu (polyrl {metadata.version('polyrl')}) in bfloat16 (given by --dtype)"
     assert out[1].split()[:3] == ["op", "compared", "against"] and "rounded to bfloat16" in out[1]
     assert out[2].split()[:4] == ["model", "compared", "against", "the"] and "float32 model" in out[2]
     first = out[3]

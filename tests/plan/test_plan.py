@@ -158,14 +158,14 @@ def test_activation_model_matches_saved_tensors_on_cpu(preset, overrides, kind):
 def test_activation_checkpointing_keeps_fewer_saved_tensors():
     """trainer.activation_checkpointing really recomputes layers (fewer bytes saved in forward), as the plan
     assumes; same numbers either way is checked by the run (identical metrics, tiny PPO recipe)."""
-    from polyrl.core.plugins.selection import set_active_backend
+    from polyrl.core.plugins import list_backends
     from polyrl.core.trainer.setup import _build_lm
 
-    set_active_backend("cpu")
+    cpu = list_backends()["cpu"]  # the model is bound to the backend it is built for
     cfg = load_config("gpt_oss_dapo_tiny")
-    plain = _build_lm("gpt_oss_tiny", cfg, None, {}, 0).train()
+    plain = _build_lm("gpt_oss_tiny", cfg, None, {}, 0, cpu).train()
     cfg.trainer.activation_checkpointing = True
-    ckpt = _build_lm("gpt_oss_tiny", cfg, None, {}, 0).train()
+    ckpt = _build_lm("gpt_oss_tiny", cfg, None, {}, 0, cpu).train()
     assert ckpt.is_gradient_checkpointing and not plain.is_gradient_checkpointing
     assert _saved_bytes_per_token(ckpt, 64) < 0.5 * _saved_bytes_per_token(plain, 64)
 

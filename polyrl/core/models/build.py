@@ -48,9 +48,10 @@ def build_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import polyrl.core.attention.hf as hf_attention
+    from polyrl.core.plugins.selection import backend_for
 
     hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
-    backend = _backend(backend)
+    backend = backend_for(backend)
     overrides = dict(overrides or {})
     experts = {"experts_implementation": experts_implementation} if experts_implementation else {}
     path = os.fspath(name_or_path)
@@ -83,11 +84,3 @@ def build_model(
     return model
 
 
-def _backend(backend: Backend | str | None) -> Backend:
-    from polyrl.core.plugins.selection import get_active_backend, resolve_backend
-
-    if backend is None:
-        return get_active_backend()
-    if isinstance(backend, str):
-        return resolve_backend(backend)
-    return backend

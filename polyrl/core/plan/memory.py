@@ -233,7 +233,7 @@ class MemoryPlan:
             tips.append(f"use at least {devices} devices (--nproc/--nnodes)")
         biggest = max((k for k in self.rows if k not in _SHARDED), key=lambda k: self.rows[k])
         tips.append(f"shrink the largest item '{biggest}' ({self.rows[biggest]:.1f} GiB: "
-                    f"{_KNOB.get(biggest, 'see docs/recipes.md, Memory plan')})")
+                    f"{_KNOB.get(biggest, 'the plan above shows what each row counts')})")
         return (f"memory plan: needs {need:.1f} GiB per device, {self.usable_gib:.1f} GiB usable on "
                 f"{self.device} ({self.backend}) with {self.world_size} device(s): " + "; or ".join(tips))
 
