@@ -89,3 +89,27 @@ def test_resume_with_another_ep(tmp_path: Path) -> None:
     for ma, mb in zip(a, b):
         for key in ("loss/total", "loss/value", "actor/grad_norm", "critic/grad_norm", "reward/mean"):
             assert _rel(ma[key], mb[key]) <= bar, (ma["step"], key, ma[key], mb[key])
+    _export_matches(tmp_path)
+
+
+def _export_matches(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for run in ("a", "b"):  # step 2: written with ep=2 (a) and with ep=1 (b)
+        out = tmp_path / f"hf-{run}"
+        cmd = [sys.executable, "-m", "polyrl", "export", str(tmp_path / run / "checkpoints" / "step_00000002"),
+               str(out)]
+        proc = subprocess.run(cmd, cwd=REPO, env=child_env(POLYRL_DISABLE_PLUGIN_AUTOLOAD="1"), capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        models[run] = dict(AutoModelForCausalLM.from_pretrained(out).state_dict())
+    experts = [n for n in models["a"] if ".mlp.experts." in n]
+    assert experts and all(models["a"][n].shape[0] == 4 for n in experts)  # all 4 experts, gathered
+    assert models["a"].keys() == models["b"].keys()
+    bar = tolerance("distributed.loss", "float32")
+    for name, value in models["a"].items():
+        ref = models["b"][name].double()
+        assert (value.double() - ref).norm() <= bar * max(ref.norm(), 1e-12), name
+    assert not torch.equal(models["a"][experts[0]], torch.zeros_like(models["a"][experts[0]]))
