@@ -157,7 +157,7 @@ def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig 
         # divides the devices per node). The experts are DTensors Shard(0) over "ep"; fully_shard over "efsdp"
         # adds its own sharding on top and reduces their gradients over "efsdp" only: the ranks that hold the
         # same experts. Must come before the layers' fully_shard, which then leaves the experts to their unit.
-        expert_mesh = init_device_mesh(backend.device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+        expert_mesh = _expert_mesh(backend.device_type, world_size, ep)
         experts = shard_experts(model, backend, expert_mesh["ep"])
         if not experts:
             raise BadInputError(f"sharding.expert_parallel={ep}: {type(model).__name__} has no MoE experts to split")
@@ -176,6 +176,21 @@ def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig 
         if policy.force_sum_reduction:  # the backend's collective library has no PREMUL_SUM (gloo, HCCL)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+_EXPERT_MESHES: dict[tuple, object] = {}
+
+
+def _expert_mesh(device_type: str, world_size: int, ep: int):
+    """The (efsdp, ep) mesh, one per process group: the actor, the reference and the critic share its groups
+    (each new group costs the collective library its own buffers on every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (dist.group.WORLD, device_type, world_size, ep)  # the group itself: a new process group, new meshes
+    if key not in _EXPERT_MESHES:
+        _EXPERT_MESHES[key] = init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return _EXPERT_MESHES[key]
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
