@@ -26,10 +26,10 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / abs(b) if b else abs(a - b)
 
 
-def _run_worker(tmp_path: Path, nproc: int, eps: str) -> dict:
+def _run_worker(tmp_path: Path, nproc: int, eps: str, *overrides: str) -> dict:
     out = tmp_path / "ep.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(WORKER), str(out), eps, *RECIPES]
+           str(WORKER), str(out), eps, *RECIPES, "--", *overrides]
     proc = subprocess.run(cmd, cwd=REPO, env=child_env(POLYRL_DISABLE_PLUGIN_AUTOLOAD="1"), capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -60,7 +60,8 @@ def _check(result: dict, eps: list[str]) -> None:
 
 
 def test_ep2_step_equals_ep1_on_2_processes(tmp_path: Path) -> None:
-    _check(_run_worker(tmp_path, 2, "2"), ["2"])
+    """With activation checkpointing (as the full DeepSeek recipe): the recompute repeats the exchanges."""
+    _check(_run_worker(tmp_path, 2, "2", "trainer.activation_checkpointing=true"), ["2"])
 
 
 def test_ep2_and_ep4_steps_equal_ep1_on_4_processes(tmp_path: Path) -> None:
