@@ -82,3 +82,19 @@ def test_only_fused_experts_modules_are_recognised() -> None:
     layer = _moe_layer("deepseek_v3_tiny", None)
     assert is_hf_experts(layer.experts)
     assert not is_hf_experts(layer.shared_experts) and not is_hf_experts(layer.gate)
+
+
+def test_expert_parallel_refusals_before_any_process_starts() -> None:
+    from polyrl.core.config import ShardingConfig
+    from polyrl.core.distributed.sharding import check_sharding
+    from polyrl.core.errors import BadInputError
+
+    check_sharding(CpuBackend(), 4, ShardingConfig(expert_parallel=2))
+    with pytest.raises(BadInputError, match="must divide the world size"):
+        check_sharding(CpuBackend(), 6, ShardingConfig(expert_parallel=4))
+    with pytest.raises(BadInputError, match="must divide the world size"):
+        check_sharding(CpuBackend(), 1, ShardingConfig(expert_parallel=2))
+    with pytest.raises(BadInputError, match=r"sharding\.enabled"):
+        check_sharding(CpuBackend(), 2, ShardingConfig(expert_parallel=2, enabled=False))
+    with pytest.raises(BadInputError, match=">= 1"):
+        check_sharding(CpuBackend(), 2, ShardingConfig(expert_parallel=0))
