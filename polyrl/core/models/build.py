@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from polyrl.core.models.checkpoint_formats import load_dequantized, read_format
+from polyrl.core.models.checkpoint_formats import load_dequantized, read_format, strip_quantization
 from polyrl.core.models.presets import PRESETS, check_overrides, model_config, preset_names
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ def build_model(
     overrides: dict[str, Any] | None = None,
     seed: int | None = None,
     backend: Backend | str | None = None,
+    meta: bool = False,
 ) -> PreTrainedModel:
     """Build a causal LM.
 
@@ -46,6 +47,9 @@ def build_model(
         backend: the backend whose kernels the model's ``"polyrl"`` attention runs, bound to the model for its
             life (a Backend, a backend name, or None: the process's active backend now). Rebind a built model
             with ``polyrl.core.attention.hf.bind_backend``.
+        meta: the same architecture (parameters, buffers, dtypes) on the meta device, no weight read or drawn:
+            what the ranks other than 0 of a sharded run build before rank 0's weights are loaded into their
+            shards (:mod:`polyrl.core.distributed.loading`).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -62,6 +66,13 @@ def build_model(
         config = AutoConfig.from_pretrained(path)
         check_overrides(type(config), overrides, f"checkpoint {path!r}")
         config = AutoConfig.from_pretrained(path, **overrides) if overrides else config
+        if meta:
+            # The dequantized load yields a float model: its architecture is the config without the quantization
+            # block. The embeddings get the task's size directly (a resize would draw rows that the load overwrites).
+            config = strip_quantization(config)
+            if vocab_size is not None:
+                config.vocab_size = vocab_size
+            return _on_meta(config, dtype, attn_implementation, experts, backend)
         if quantized is not None:
             model = load_dequantized(path, quantized, config, dtype=dtype, attn_implementation=attn_implementation,
                                      **experts)
@@ -82,6 +93,8 @@ def build_model(
     config = model_config(path, **overrides)
     if vocab_size is not None and getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= vocab_size:
         config.pad_token_id = 0  # a preset's pad id beyond a task's small vocabulary (embedding row 0 is as good)
+    if meta:
+        return _on_meta(config, dtype, attn_implementation, experts, backend)
     with torch.random.fork_rng(devices=[]):
         if seed is not None:
             torch.manual_seed(seed)
@@ -91,3 +104,15 @@ def build_model(
     return model
 
 
+
+
+def _on_meta(config: Any, dtype: torch.dtype, attn_implementation: str, experts: dict, backend: Any) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
+    import polyrl.core.attention.hf as hf_attention
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
+                                                 **experts)
+    hf_attention.bind_backend(model, backend)
+    return model

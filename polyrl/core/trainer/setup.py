@@ -70,7 +70,7 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
 
 
 def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int,
-              backend: Any = None) -> torch.nn.Module:
+              backend: Any = None, meta: bool = False) -> torch.nn.Module:
     from polyrl.core.models import build_model
 
     try:
@@ -79,6 +79,7 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
             experts_implementation=cfg.model.experts_implementation,
             dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
             backend=backend,  # the model's attention runs this backend's kernel, whatever the process's is
+            meta=meta,
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None
@@ -109,25 +110,44 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
 
     ``vocab_size``: the tiny tokenizer's size for synthetic tasks (embeddings sized to it), else None.
     """
+    from polyrl.core.distributed import loading
     from polyrl.core.distributed.sharding import apply_sharding
 
     seed = cfg.trainer.seed
     vocab = vocab_size
-    actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend).to(device)
     alg = cfg.algorithm
-    ref = None
-    if alg.use_kl_in_reward or alg.use_kl_loss:
-        ref = copy.deepcopy(actor).eval().requires_grad_(False)
-    critic = None
+    with_ref = alg.use_kl_in_reward or alg.use_kl_loss
+    critic_args = None
     if alg.adv_estimator == "gae":
-        name = cfg.model.critic_name or cfg.model.name
-        overrides = {**cfg.model.overrides, **cfg.model.critic_overrides}
-        critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1, backend)).to(device)
-    actor = apply_sharding(actor, backend, cfg.sharding)
-    if ref is not None:
-        ref = apply_sharding(ref, backend, cfg.sharding)
-    if critic is not None:
-        critic = apply_sharding(critic, backend, cfg.sharding)
+        critic_args = (cfg.model.critic_name or cfg.model.name, {**cfg.model.overrides, **cfg.model.critic_overrides})
+    if loading.builds_on_rank0(cfg.sharding):
+        # Only rank 0 materialises the weights (on the host); the others build meta skeletons and receive their
+        # shards from it (polyrl.core.distributed.loading). One model at a time, so rank 0 holds one full copy.
+        meta = not loading.is_rank0()
+        actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend, meta=meta)
+        full = None if meta else actor.state_dict()
+        ref = loading.meta_copy(actor).eval().requires_grad_(False) if with_ref else None
+        actor = loading.shard_from_rank0(actor, full, backend, cfg.sharding, device)
+        if ref is not None:
+            ref = loading.shard_from_rank0(ref, full, backend, cfg.sharding, device)
+        del full
+        critic = None
+        if critic_args is not None:
+            # ValueModel draws its head from the global generator before zeroing it: built outside the meta
+            # skeleton on every rank, so that every rank's generator moves as in the single-process build.
+            critic = ValueModel(_build_lm(critic_args[0], cfg, vocab, critic_args[1], seed + 1, backend, meta=meta))
+            critic = loading.shard_from_rank0(critic, None, backend, cfg.sharding, device)
+    else:
+        actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend).to(device)
+        ref = copy.deepcopy(actor).eval().requires_grad_(False) if with_ref else None
+        critic = None
+        if critic_args is not None:
+            critic = ValueModel(_build_lm(critic_args[0], cfg, vocab, critic_args[1], seed + 1, backend)).to(device)
+        actor = apply_sharding(actor, backend, cfg.sharding)
+        if ref is not None:
+            ref = apply_sharding(ref, backend, cfg.sharding)
+        if critic is not None:
+            critic = apply_sharding(critic, backend, cfg.sharding)
     o = cfg.optimizer
     sched_kw = dict(warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps, schedule=o.schedule,
                     min_lr_ratio=o.min_lr_ratio)
