@@ -91,7 +91,9 @@ def shard_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | Non
     apply_sharding(model, backend, settings)
     # Storage for this rank's shards (and every buffer); rank 0's values come back from full_state and ``kept``.
     model.to_empty(device=torch.device("cpu") if settings.cpu_offload else device)
-    set_model_state_dict(model, full_state if rank0 else {},
+    # A copy: set_model_state_dict replaces the dict's entries with the loaded shards, and the reference model
+    # loads the same full state after the actor.
+    set_model_state_dict(model, dict(full_state) if rank0 else {},
                          options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True))
     with torch.no_grad():
         for name in extra:
