@@ -89,8 +89,11 @@ def shard_from_rank0(model: nn.Module, full_state: dict[str, torch.Tensor] | Non
     extra = non_persistent_buffers(model)
     kept = {n: model.get_buffer(n) for n in extra} if rank0 else {}
     apply_sharding(model, backend, settings)
-    # Storage for this rank's shards (and every buffer); rank 0's values come back from full_state and ``kept``.
-    model.to_empty(device=torch.device("cpu") if settings.cpu_offload else device)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        # Storage for this rank's shards and buffers (all of them: to_empty leaves no tensor as it was; on rank 0,
+        # whose reference model is a meta copy, the values come back from full_state and ``kept``). A real model
+        # (rank 0's actor) keeps the shards fully_shard cut from its weights: no second allocation.
+        model.to_empty(device=torch.device("cpu") if settings.cpu_offload else device)
     # A copy: set_model_state_dict replaces the dict's entries with the loaded shards, and the reference model
     # loads the same full state after the actor.
     set_model_state_dict(model, dict(full_state) if rank0 else {},
