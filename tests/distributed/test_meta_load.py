@@ -1,8 +1,8 @@
 """Sharded load under several processes (gloo, 2 ranks): rank 0 builds the models, the other rank builds meta
 skeletons and never holds a full copy, and after the load every parameter and buffer of the actor, the reference
-model and the critic equals the single-process build on every rank — for both tiny recipes, and with the experts
-split (``sharding.expert_parallel=2``). Training from the sharded load gives exactly the metrics of training from
-every rank's own full build."""
+model and the critic equals the single-process build on every rank — for both tiny recipes, with the experts split
+(``sharding.expert_parallel=2``), and from checkpoints in the published MXFP4 / block-FP8 layouts. Training from
+the sharded load gives exactly the metrics of training from every rank's own full build."""
 
 from __future__ import annotations
 
@@ -55,3 +55,19 @@ def test_training_from_the_sharded_load_is_bit_identical(tmp_path: Path) -> None
     runs = ranks[0]["deepseek_ppo_tiny"]["steps"]
     assert len(runs["rank0"]) == 2 and runs["rank0"][0]
     assert runs["rank0"] == runs["every_rank"]
+
+
+def test_published_checkpoints_load_into_the_shards(tmp_path: Path) -> None:
+    """The meta skeleton of a checkpoint directory (the dequantized architecture: no quantization block, the
+    task's vocabulary) matches what rank 0 loads from the MXFP4 / block-FP8 files, and every rank ends with it."""
+    from published_checkpoints import write_tiny
+
+    specs = [f"{recipe}:model.name={write_tiny(tmp_path / arch, arch)['published']}"
+             for recipe, arch in (("gpt_oss_dapo_tiny", "gpt_oss"), ("deepseek_ppo_tiny", "deepseek_v3"))]
+    for rank, result in enumerate(_run(tmp_path, *specs)):
+        for spec in specs:
+            row = result[spec]
+            assert row["meta_before"] and (rank == 0 or row["meta_before"][0][0] == 0), (rank, spec)
+            for model in ("actor", "ref", "critic"):
+                if model in row:
+                    assert row[model]["differ"] == [], (rank, spec, model)
