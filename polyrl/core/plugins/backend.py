@@ -157,13 +157,15 @@ class ShardingPolicy:
 
     ``param_dtype``/``reduce_dtype`` are torch dtype names ("float32", "bfloat16") so that the policy is
     printable and comparable without importing torch. ``world_sizes_refused`` lists world sizes the
-    collective library cannot handle (HCCL refuses 3, 5, 6, 7 for all_gather_into_tensor).
+    collective library cannot handle (HCCL refuses 3, 5, 6, 7 for all_gather_into_tensor), and
+    ``world_size_rule`` says which rule refuses them (the refusal's message names it).
     """
 
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     cpu_offload_supported: bool = True
     world_sizes_refused: tuple[int, ...] = ()
+    world_size_rule: str = ""
     env_defaults: dict[str, str] = dataclasses.field(default_factory=dict)
     # FSDP reduces gradients with plain SUM instead of PREMUL_SUM (gloo and HCCL have no PREMUL_SUM; with the
     # divide factor 1.0 polyrl uses, the two are the same reduction, so SUM is the safe default everywhere).
@@ -176,6 +178,11 @@ class Backend:
     name: ClassVar[str] = ""
     device_type: ClassVar[str] = "cpu"  # torch device type: "cpu", "cuda", "npu", ...
     collective_backend: ClassVar[str] = "gloo"  # torch.distributed backend name
+    # The dtypes its collective library reduces (all_reduce, reduce_scatter), as torch dtype names ("float32",
+    # "int64"); empty: every dtype. polyrl.core.distributed never hands one of its reductions another dtype: it
+    # reduces those (float64 sums and counts) exactly through a gather, which moves any dtype. Its world sizes:
+    # ``ShardingPolicy.world_sizes_refused``.
+    collective_reduce_dtypes: ClassVar[frozenset[str]] = frozenset()
     capabilities: ClassVar[frozenset[str]] = frozenset()  # names from CAPABILITIES (docs/plugins.md)
     rollout_engines: ClassVar[tuple[str, ...]] = ("hf",)
     # Selection picks a backend implicitly only when it is an accelerator (cuda, ascend, a ROCm plugin); a
@@ -275,12 +282,11 @@ class Backend:
         """Refuse world sizes the collective library cannot handle, with a clear message."""
         from polyrl.core.errors import BadInputError
 
-        refused = self.sharding_policy().world_sizes_refused
+        policy = self.sharding_policy()
+        refused = policy.world_sizes_refused
         if world_size in refused:
-            raise BadInputError(
-                f"backend {self.name!r}: world size {world_size} is not supported by "
-                f"{self.collective_backend} (refused sizes: {list(refused)})"
-            )
+            rule = policy.world_size_rule or f"{self.collective_backend} refuses world sizes {list(refused)}"
+            raise BadInputError(f"backend {self.name!r}: world size {world_size} is refused: {rule}")
 
     # --- device placement ----------------------------------------------------------------------
     # The one place that decides where things live (core never compares device types). The rule, for every
