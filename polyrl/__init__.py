@@ -11,6 +11,14 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 
+def _install_moved_module_aliases() -> None:
+    # Old module paths (polyrl.testing.parity, polyrl.core.backend, ...) stay importable, with a warning, for
+    # one minor version: see polyrl/_moved.py.
+    from polyrl import _moved
+
+    _moved.install()
+
+
 def _register_transformers_attention() -> None:
     # The registration must exist as soon as polyrl is imported, so that
     # from_pretrained(..., attn_implementation="polyrl") works without further calls.
@@ -21,4 +29,5 @@ def _register_transformers_attention() -> None:
     hf_attention.register()
 
 
+_install_moved_module_aliases()
 _register_transformers_attention()

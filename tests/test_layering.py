@@ -6,7 +6,9 @@
 2. Neither makes a hardware decision: no comparison with a device-type, vendor or collective-library name
    (``device.type == "cuda"``, ``name == "ascend"``, ``get_backend() == "gloo"``) and no ``torch.version.cuda``
    — such decisions are the Backend's.
-3. The package's import graph has no cycle and imports only go down the layer order below.
+3. The package's import graph has no cycle and imports only go down the layer order below; and no cycle between
+   modules either, inside one unit included (``a.py`` importing ``b.py`` importing ``a.py``, even lazily,
+   works only as long as nobody reorders an import).
 
 Each checker has a companion test that plants a violation and shows it is caught.
 """
@@ -28,14 +30,15 @@ DEVICE_NAMES = frozenset({"cpu", "cuda", "npu", "xpu", "mps", "hip", "rocm", "as
 # package ``polyrl`` (version, the transformers registration hook) runs before any of its modules anyway and is
 # not a layer.
 LAYERS: list[set[str]] = [
-    {"core.errors", "core.tolerances", "core.compat", "core.dtypes"},
+    {"_moved", "core.errors", "core.tolerances", "core.compat", "core.dtypes"},
     {"core.config", "core.algorithms", "core.data", "core.rewards"},
     {"core.plugins", "core.distributed"},
     {"core.attention", "core.tasks"},
     {"core.models", "core.rollout", "core.run"},
-    {"core.trainer"},
+    {"core.trainer", "core.plan"},
     {"backends"},
     {"testing"},
+    {"parity", "emulation"},
     {"cli", "__main__"},
 ]
 
@@ -188,6 +191,73 @@ def cycles(graph: dict[str, set[tuple[str, str]]]) -> list[list[str]]:
     return [list(c) for c in sorted(found)]
 
 
+def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The absolute module an ``ImportFrom`` names, relative forms (``from . import x``) included."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".")
+    base = base[: len(base) - node.level + (1 if is_package else 0)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def module_graph(pkg: Path) -> dict[str, set[str]]:
+    """module -> {imported module of the package}, function-level imports included, TYPE_CHECKING ones not.
+    ``from p import x`` names the module ``p.x`` when that is a module, else ``p`` itself."""
+    name = pkg.name
+    graph: dict[str, set[str]] = {}
+    for path in sorted(pkg.rglob("*.py")):
+        src = _module_name(path, pkg)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skip = _type_checking_nodes(tree)
+        edges = graph.setdefault(src, set())
+        for node in ast.walk(tree):
+            if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(node, src, path.name == "__init__.py")
+                targets = [f"{base}.{a.name}" if _is_module(f"{base}.{a.name}", pkg) else base for a in node.names]
+            else:
+                targets = [a.name for a in node.names]
+            edges.update(t for t in targets if (t == name or t.startswith(name + ".")) and t != src)
+    return graph
+
+
+def module_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (each holds at least one cycle), sorted;
+    Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 # --- the tests on polyrl --------------------------------------------------------------------------------
 def test_core_and_cli_have_no_vendor_imports():
     assert CORE.is_dir() and len(list(CORE.rglob("*.py"))) > 5 and CLI.is_dir()
@@ -206,6 +276,12 @@ def test_imports_go_down_the_layer_order():
 
 def test_the_import_graph_has_no_cycle():
     assert cycles(import_graph(PKG)) == []
+
+
+def test_no_two_modules_import_each_other():
+    graph = module_graph(PKG)
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100  # the graph was actually built
+    assert module_cycles(graph) == []
 
 
 # --- each checker catches a planted violation -------------------------------------------------------------
@@ -269,3 +345,21 @@ def test_the_cycle_checker_catches_a_cycle(tmp_path):
         "core/config/c.py": "from polyrl.core.errors import E\n",
     })
     assert cycles(import_graph(pkg)) == [["core.rewards", "core.tasks"]]
+
+
+def test_the_module_cycle_checker_catches_a_cycle_inside_one_unit(tmp_path):
+    # Both imports lazy and inside one package: the unit graph has no edge at all; the module graph has the cycle.
+    pkg = _plant(tmp_path, {
+        "parity/harness.py": "def run():\n    from polyrl.parity import train\n",
+        "parity/train.py": "def step():\n    from polyrl.parity.harness import ROW\n",
+        "parity/rows.py": "ROW = 1\n",
+        "parity/plot.py": "from .rows import ROW\nfrom . import harness\n",  # relative forms resolve too
+        "core/tasks/a.py": "from polyrl.core.tasks.b import f\n",
+        "core/tasks/b.py": "import polyrl.core.tasks.c\n",
+        "core/tasks/c.py": "from polyrl.core.tasks import a\n",
+    })
+    assert cycles(import_graph(pkg)) == []
+    graph = module_graph(pkg)
+    assert graph["polyrl.parity.plot"] == {"polyrl.parity.rows", "polyrl.parity.harness"}
+    assert module_cycles(graph) == [["polyrl.core.tasks.a", "polyrl.core.tasks.b", "polyrl.core.tasks.c"],
+                                    ["polyrl.parity.harness", "polyrl.parity.train"]]

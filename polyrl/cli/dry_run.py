@@ -3,7 +3,7 @@
 Validates the recipe (types, cross-field checks, the data file when it is there, the world size the backend's
 collective library accepts), resolves the backend by name *without its hardware* (a cuda plan is made on a
 machine without a GPU), and prints the resolved config and the per-device memory plan
-(:mod:`polyrl.core.run.plan`). Nothing is written, nothing is downloaded. A placement whose plan does not fit
+(:mod:`polyrl.core.plan`). Nothing is written, nothing is downloaded. A placement whose plan does not fit
 raises ``BadInputError`` with one line saying what to change (exit 2), after the plan itself is printed.
 """
 
@@ -31,21 +31,18 @@ def plan_backend(name: str | None) -> Any:
 def dry_run(cfg: Any, *, nproc: int = 1, nnodes: int = 1, as_json: bool = False,
             device_memory_gib: float | None = None) -> int:
     from polyrl.core.config import dump_config
-    from polyrl.core.distributed.sharding import check_sharding
+    from polyrl.core.distributed.sharding import check_placement
     from polyrl.core.errors import BadInputError
-    from polyrl.core.run.plan import plan_memory
-    from polyrl.core.trainer.setup import build_task, check_config
+    from polyrl.core.plan import plan_memory
+    from polyrl.core.trainer.setup import build_task
 
     backend = plan_backend(cfg.backend.name)
     if cfg.backend.name is None:
         cfg.backend.name = backend.name
-    check_config(cfg)
     if nproc < 1 or nnodes < 1:
         raise BadInputError(f"--nproc and --nnodes must be >= 1, got {nproc} and {nnodes}")
     world = nproc * nnodes
-    check_sharding(backend, world, cfg.sharding)
-    if cfg.data.batch_size % world:
-        raise BadInputError(f"data.batch_size ({cfg.data.batch_size}) must be a multiple of the world size ({world})")
+    check_placement(cfg, backend, world)
     vocab = None
     if cfg.data.path is not None and not Path(cfg.data.path).exists():  # inspect a recipe before the download
         print(f"polyrl run: data.path {cfg.data.path}: not checked: file absent", file=sys.stderr)

@@ -18,8 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from polyrl.testing.conformance import DTYPES
-from polyrl.testing.parity import FAIL, LEVELS, PASS, REFERENCES, ParityRow, parity_report
+from polyrl.parity import DTYPES, FAIL, LEVELS, PASS, REFERENCES, ParityRow, parity_report
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -55,7 +54,7 @@ def _positive(text: str) -> int:
 
 
 def _add_report_options(p: argparse.ArgumentParser) -> None:
-    from polyrl.testing.train_parity import DEFAULT_SEEDS, DEFAULT_STEPS
+    from polyrl.parity import DEFAULT_SEEDS, DEFAULT_STEPS
 
     p.add_argument("--steps", type=_positive, default=None,
                    help=f"recipe level: training steps per run (default {DEFAULT_STEPS})")
@@ -79,12 +78,12 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core.errors import BadInputError
     from polyrl.core.plugins import list_backends
     from polyrl.core.plugins.selection import resolve_backend
-    from polyrl.testing.parity import backend_dtype, run_parity
+    from polyrl.parity import backend_dtype, run_parity
 
     if args.plot_from:
         return _plot_only(args)
     if args.emulate:
-        from polyrl.testing.emulation import enable_emulation
+        from polyrl.emulation import enable_emulation
 
         enable_emulation(args.backend)
     if args.backend is not None and args.backend in list_backends():
@@ -117,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     if args.plot:
-        from polyrl.testing.parity_plot import plot_recipe_curves, recipe_curves
+        from polyrl.parity.plot import plot_recipe_curves, recipe_curves
 
         if recipe_curves(report):
             plot_recipe_curves(report, args.plot)
@@ -138,7 +137,7 @@ def _check_matplotlib() -> None:
 
 def _plot_only(args: argparse.Namespace) -> int:
     from polyrl.core.errors import BadInputError
-    from polyrl.testing.parity_plot import plot_recipe_curves
+    from polyrl.parity.plot import plot_recipe_curves
 
     if not args.plot:
         raise BadInputError("--plot-from needs --plot FILE.png")

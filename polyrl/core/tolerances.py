@@ -130,7 +130,7 @@ def check_close(
 # gradient reduction and of the global-norm sum differs (measured ~5e-8 relative on the toy loop).
 TOLERANCES[("distributed.loss", "float32")] = 1e-5
 
-# --- parity harness (polyrl/testing/parity.py, `polyrl parity --level model`) -----------------------------
+# --- parity harness (polyrl/parity/harness.py, `polyrl parity --level model`) -----------------------------
 # Per-token logprobs of the tiny presets on a backend vs the CPU fp32 reference, packed documents.
 # fp32: same math, different kernel — accumulation order only. bf16: the whole model runs in bf16 on the
 # accelerator (weights, activations), so the error is dominated by bf16 matmuls, not by attention; the bar is
@@ -145,7 +145,7 @@ TOLERANCES[("model.logprobs", "bfloat16")] = 3e-2
 TOLERANCES[("algorithms.logprobs", "float16")] = 1e-6
 TOLERANCES[("algorithms.logprobs_grad", "float16")] = 1e-3
 
-# --- parity harness, step and recipe levels (polyrl/testing/train_parity.py, issue 16) ---------------------------
+# --- parity harness, step and recipe levels (polyrl/parity/train.py, issue 16) ---------------------------
 # The dtype is the dtype the backend's models train in (the tiny recipes' model.dtype: float32, as
 # `polyrl run` trains them on every backend; `polyrl parity --dtype bfloat16` asks for bf16 models); the
 # reference is always the cpu backend in float32.
@@ -193,7 +193,7 @@ TOLERANCES.update({
     ("recipe.final_reward", "float32"): 1e-2, ("recipe.final_reward", "bfloat16"): 5e-2,
     ("recipe.loss_mae", "float32"): 1e-2, ("recipe.loss_mae", "bfloat16"): 5e-2,
 })
-# --- memory plan (polyrl/core/run/plan.py, issue 20) ----------------------------------------------------------
+# --- memory plan (polyrl/core/plan/memory.py, issue 20) ----------------------------------------------------------
 # The plan's activation bytes per token and layer (linear in the architecture's dimensions, coefficients fitted
 # on the CPU) against autograd's saved-tensor bytes measured at a width outside the fit (residuals of the fit:
 # <= 7 bytes of ~5000 for GPT-OSS, <= 20 of ~6000 for DeepSeek-V3's MoE layer). The GPU bar of the whole plan

@@ -1,4 +1,4 @@
-"""Ascend tests run on the CPU against polyrl.testing.npu_emulator placed in sys.modules["torch_npu"]:
+"""Ascend tests run on the CPU against polyrl.emulation.npu placed in sys.modules["torch_npu"]:
 nothing here runs on an NPU, and no test leaves the emulator (or POLYRL_ASCEND_SINK) behind."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from polyrl.backends.ascend.attention import SINK_ENV
-from polyrl.testing.npu_emulator import install_emulator
+from polyrl.emulation.npu import install_emulator
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from polyrl.backends.ascend import attention as npu_attention
 from polyrl.backends.ascend.attention import SINK_ENV
 from polyrl.core.attention import varlen_attention
 from polyrl.core.tolerances import check_close
-from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
+from polyrl.emulation.npu import emulated_ascend_backend, install_emulator
 
 DOC_LENS = (1, 7, 140, 1, 2)  # ragged, two documents of one token, one longer than the 128-key window
 HKV, D = 2, 16

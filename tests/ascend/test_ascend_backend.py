@@ -11,8 +11,8 @@ import pytest
 
 from polyrl.backends.ascend import AscendBackend
 from polyrl.backends.ascend.attention import SINK_ENV
+from polyrl.emulation.npu import emulated_ascend_backend, install_emulator
 from polyrl.testing.conformance import ATTENTION_CASES, NOT_RUN, PASS, run_conformance
-from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
 
 
 @pytest.mark.parametrize("mode", ["native", "lse"])
@@ -62,7 +62,7 @@ def test_import_and_backends_command_do_not_import_torch_npu():
 
 def test_probe_sees_a_torch_npu_import():
     # The probe can fail: with the emulator imported first, torch_npu is in sys.modules.
-    code = "from polyrl.testing.npu_emulator import install_emulator; install_emulator()\n" + PROBE
+    code = "from polyrl.emulation.npu import install_emulator; install_emulator()\n" + PROBE
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "torch_npu" in json.loads(proc.stdout.strip().splitlines()[-1])["torch_npu"]

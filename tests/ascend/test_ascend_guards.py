@@ -17,8 +17,8 @@ from polyrl.backends.ascend.chip import SOC_ENV
 from polyrl.core.attention import varlen_attention
 from polyrl.core.errors import BadInputError
 from polyrl.core.tolerances import check_close
-from polyrl.testing import npu_emulator
-from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
+from polyrl.emulation import npu as npu_emulator
+from polyrl.emulation.npu import emulated_ascend_backend, install_emulator
 
 
 def _case(lens, hq=2, hkv=1, d=8, dv=None, seed=0):

@@ -15,7 +15,7 @@ from polyrl.backends.ascend.attention import (
 )
 from polyrl.core.attention import varlen_attention
 from polyrl.core.tolerances import check_close
-from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
+from polyrl.emulation.npu import emulated_ascend_backend, install_emulator
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from polyrl.cli import main as polyrl_main
 from polyrl.core.errors import BadInputError
 from polyrl.core.plugins.selection import reset_active_backend
 from polyrl.core.tolerances import check_close
-from polyrl.testing.emulation import enable_emulation
+from polyrl.emulation import enable_emulation
 
 ARGS = ["--seed", "0", "trainer.total_steps=2", "data.batch_size=8", "trainer.save_every=0", "--no-progress"]
 

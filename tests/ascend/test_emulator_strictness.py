@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.testing import npu_emulator
-from polyrl.testing.npu_emulator import NpuEmulator, release_of
+from polyrl.emulation import npu as npu_emulator
+from polyrl.emulation.npu import NpuEmulator, release_of
 
 CAUSAL = {"atten_mask": torch.ones(2048, 2048, dtype=torch.bool).triu(1), "sparse_mode": 3}
 

@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from polyrl.testing.npu_emulator import COMPRESSED_MASK_SIZE, install_emulator
+from polyrl.emulation.npu import COMPRESSED_MASK_SIZE, install_emulator
 
 MASK = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool).triu(1)
 # Unequal query / key lengths per sequence, so top-left (2) and bottom-right (3, 4) alignments differ.

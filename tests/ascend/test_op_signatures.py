@@ -19,7 +19,7 @@ import torch
 
 from polyrl.backends.ascend.attention import SINK_ENV
 from polyrl.core.attention import varlen_attention
-from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
+from polyrl.emulation.npu import emulated_ascend_backend, install_emulator
 
 DATA = Path(__file__).parent / "data" / "op_plugin_signatures.txt"
 # The emulated release that stands for each branch: (torch_npu version, CANN).

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from polyrl.backends.ascend import selfcheck
-from polyrl.testing import npu_emulator
-from polyrl.testing.npu_emulator import emulated_ascend_backend, install_emulator
+from polyrl.emulation import npu as npu_emulator
+from polyrl.emulation.npu import emulated_ascend_backend, install_emulator
 
 
 def test_every_case_passes_on_the_documented_behaviour():

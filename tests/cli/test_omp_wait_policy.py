@@ -12,10 +12,11 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import os, sys
-    import polyrl.cli.run as R
-    assert "torch" not in sys.modules, "the cli module must not load torch: the policy is read when it loads"
-    R._busy_cores = lambda: float(sys.argv[1])
-    R._choose_omp_wait_policy()
+    import polyrl.cli.run
+    from polyrl.core.distributed import process as P
+    assert "torch" not in sys.modules, "the policy module must not load torch: the policy is read when it loads"
+    P.apply_openmp_policy(sample=lambda: float(sys.argv[1]))
+    assert os.environ["OMP_DYNAMIC"] == "FALSE"
     print(os.environ.get("OMP_WAIT_POLICY", "-"), os.environ.get("POLYRL_OMP_WAIT_DECIDED", "-"))
 """)
 
@@ -44,15 +45,15 @@ def test_the_busy_sample_sees_a_busy_core() -> None:
     """The /proc/stat sample measures what others do: one spinning child process shows as ~1 busy core."""
     if not os.path.exists("/proc/stat"):
         pytest.skip("no /proc/stat: the load average is used instead")
-    from polyrl.cli.run import _busy_cores
+    from polyrl.core.distributed.process import busy_cores
 
-    idle = _busy_cores(0.3)
+    idle = busy_cores(0.3)
     spinner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<20: pass"])
     try:
         import time
 
         time.sleep(0.3)
-        busy = _busy_cores(0.5)
+        busy = busy_cores(0.5)
     finally:
         spinner.kill()
         spinner.wait()

@@ -38,21 +38,17 @@ def test_the_engine_samples_the_same_tokens_on_the_gpu_and_the_cpu() -> None:
     """Uniforms come from per-row CPU generators: with fp32 weights the sampled tokens agree exactly
     (a differing token would need a probability within float rounding of a uniform)."""
     from polyrl.core.models import build_model
-    from polyrl.core.plugins.selection import get_active_backend, set_active_backend
+    from polyrl.core.plugins.selection import resolve_backend
     from polyrl.core.rollout import SamplingParams, build_engine
 
     prompts = [[1, 5, 6, 7], [1, 9], [1, 4, 4, 4, 4, 3], [1, 7]]
     outs = []
-    previous = get_active_backend().name
-    try:
-        for backend in ("cpu", "cuda"):  # each model runs its own backend's attention (reference / Triton)
-            device = set_active_backend(backend).device()
-            model = build_model("gpt_oss_tiny", vocab_size=17, seed=0).to(device).eval()
-            engine = build_engine("hf", model, pad_token_id=0)
-            params = SamplingParams(max_tokens=6)
-            outs.append(engine.generate(prompts, params, row_seeds=[11, 12, 13, 14]).response_ids)
-    finally:
-        set_active_backend(previous)
+    for name in ("cpu", "cuda"):  # each model runs the backend it was built with (reference / Triton attention)
+        backend = resolve_backend(name)
+        model = build_model("gpt_oss_tiny", vocab_size=17, seed=0, backend=backend).to(backend.device()).eval()
+        engine = build_engine("hf", model, pad_token_id=0)
+        params = SamplingParams(max_tokens=6)
+        outs.append(engine.generate(prompts, params, row_seeds=[11, 12, 13, 14]).response_ids)
     assert outs[0] == outs[1]
 
 

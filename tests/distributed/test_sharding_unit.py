@@ -12,10 +12,11 @@ from polyrl.backends.ascend import AscendBackend
 from polyrl.backends.cpu import CpuBackend
 from polyrl.backends.cuda import CudaBackend
 from polyrl.core import distributed as D
+from polyrl.core.config import ShardingConfig, load_config
 from polyrl.core.distributed.launch import strip_nproc, torchrun_command
 from polyrl.core.distributed.sharding import (
-    ShardingOptions,
     apply_sharding,
+    check_placement,
     check_sharding,
     clip_grad_norm,
     decoder_layers,
@@ -53,11 +54,23 @@ def test_no_process_group_means_no_sharding() -> None:
 
 def test_backend_quirks_refused_with_a_message() -> None:
     with pytest.raises(BadInputError, match="cpu_offload"):
-        check_sharding(CpuBackend(), 2, ShardingOptions(cpu_offload=True))
+        check_sharding(CpuBackend(), 2, ShardingConfig(cpu_offload=True))
     with pytest.raises(BadInputError, match="world size 3"):
-        check_sharding(AscendBackend(), 3, ShardingOptions())
-    check_sharding(AscendBackend(), 4, ShardingOptions(cpu_offload=True))
-    check_sharding(CudaBackend(), 3, ShardingOptions(cpu_offload=True))
+        check_sharding(AscendBackend(), 3, ShardingConfig())
+    check_sharding(AscendBackend(), 4, ShardingConfig(cpu_offload=True))
+    check_sharding(CudaBackend(), 3, ShardingConfig(cpu_offload=True))
+
+
+def test_placement_is_refused_in_one_place() -> None:
+    cfg = load_config("gpt_oss_dapo_tiny.yaml", ["data.batch_size=6"])
+    check_placement(cfg, CpuBackend(), 3)
+    with pytest.raises(BadInputError, match=r"data.batch_size \(6\) must be a multiple of the world size \(4 "):
+        check_placement(cfg, CpuBackend(), 4)
+    with pytest.raises(BadInputError, match="world size 3"):  # the backend's refusal, through the same call
+        check_placement(cfg, AscendBackend(), 3)
+    cfg.sharding.cpu_offload = True
+    with pytest.raises(BadInputError, match="cpu_offload"):
+        check_placement(cfg, CpuBackend(), 2)
 
 
 def test_env_defaults_do_not_override_the_user(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,6 +128,6 @@ def test_run_nproc_refuses_bad_input_before_launching(capsys: pytest.CaptureFixt
 
     out = tmp_path / "never"
     assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "3", "--output", str(out)]) == 2
-    assert "multiple of --nproc" in capsys.readouterr().err
+    assert "data.batch_size (32) must be a multiple of" in capsys.readouterr().err
     assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "2", "no.such=1", "--output", str(out)]) == 2
     assert not out.exists()

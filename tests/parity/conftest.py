@@ -20,7 +20,7 @@ def backend_under_test(request):
     if name != "ascend-emulated":
         yield list_backends()[name], False
         return
-    from polyrl.testing.emulation import enable_emulation
+    from polyrl.emulation import enable_emulation
 
     saved_env = dict(os.environ)
     saved_npu = sys.modules.get("torch_npu")
@@ -30,8 +30,8 @@ def backend_under_test(request):
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
-        if saved_npu is None:
-            sys.modules.pop("torch_npu", None)
-        else:
+        for name in [m for m in sys.modules if m == "torch_npu" or m.startswith("torch_npu.")]:
+            del sys.modules[name]  # the emulator's submodules too (torch_npu.npu.utils), not only the top
+        if saved_npu is not None:
             sys.modules["torch_npu"] = saved_npu
         reset_active_backend()

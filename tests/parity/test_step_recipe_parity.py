@@ -1,4 +1,4 @@
-"""Step and recipe parity (polyrl.testing.train_parity): the trainer's own update and `polyrl run` on each
+"""Step and recipe parity (polyrl.parity.train): the trainer's own update and `polyrl run` on each
 backend present against the cpu backend, errors beside the bars of polyrl/core/tolerances.py."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from planted_backends import WrongScaleBackend
 
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.tolerances import TOLERANCES
-from polyrl.testing.parity import FAIL, NOT_RUN, PASS, parity_report, run_parity
-from polyrl.testing.train_parity import curve_statistics, seed_average
+from polyrl.parity import FAIL, NOT_RUN, PASS, parity_report, run_parity
+from polyrl.parity.train import curve_statistics, seed_average
 
 # The backends present (the fixture backend_under_test in conftest.py enables the emulator for ascend).
 BACKENDS = [
@@ -94,7 +94,7 @@ def test_curve_statistics_measure_the_seed_averaged_difference():
 
 def test_report_summary_fails_a_level_with_one_failed_row_and_plots_the_curves(tmp_path, capsys):
     from polyrl.cli import main as polyrl_main
-    from polyrl.testing.parity import ParityRow
+    from polyrl.parity import ParityRow
 
     curves = {"steps": [1, 2, 3], "seeds": [0, 1], "backend": "cpu", "emulated": False,
               "per_seed": {side: [{"reward": [0.1, 0.2, 0.3], "loss": [None, 0.5, 0.4]}] * 2

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from polyrl.core.rewards import score_batch
+from polyrl.core.rewards import ScoreStats, score_batch
 from polyrl.core.rewards.pool import BoundedPool
 from polyrl.core.tasks import Example, get_task
 from polyrl.core.tasks.math import MathTask
@@ -63,7 +63,7 @@ def test_inline_errors_nans_and_slow_calls_score_failure():
     responses = ["ok", "raise", "nan", "slow", "ok"]
     scores, stats = score_batch(task, task.sample(5, None), responses, timeout_s=0.1)
     assert scores == [1.0, 0.0, 0.0, 0.0, 1.0]
-    assert stats == {"reward/errors": 2, "reward/timeouts": 1}
+    assert stats == ScoreStats(errors=2, timeouts=1)
 
 
 def test_synthetic_task_scores_inline_without_a_pool(monkeypatch):
@@ -76,7 +76,7 @@ def test_synthetic_task_scores_inline_without_a_pool(monkeypatch):
     task = get_task("copy")
     examples = task.sample(64, random.Random(0))
     scores, stats = score_batch(task, examples, [e.answer for e in examples])
-    assert scores == [1.0] * 64 and stats == {"reward/errors": 0, "reward/timeouts": 0}
+    assert scores == [1.0] * 64 and stats == ScoreStats(errors=0, timeouts=0)
 
 
 def test_remote_errors_and_hangs_are_bounded_and_counted(monkeypatch):
@@ -91,11 +91,11 @@ def test_remote_errors_and_hangs_are_bounded_and_counted(monkeypatch):
         scores, stats = score_batch(task, [_ex("a", i) for i in range(5)], responses, timeout_s=0.5)
         elapsed = time.monotonic() - start
         assert scores == [1.0, -1.0, -1.0, -1.0, -1.0]
-        assert stats == {"reward/errors": 2, "reward/timeouts": 1}
+        assert stats == ScoreStats(errors=2, timeouts=1)
         assert elapsed < 5.0  # the hang was cut at the 0.5 s bound, not after 60 s
         # the pool is still usable afterwards
         scores, stats = score_batch(task, [_ex("a")], ["a"], timeout_s=0.5)
-        assert scores == [1.0] and stats["reward/timeouts"] == 0
+        assert scores == [1.0] and stats.timeouts == 0
     finally:
         pool.close()
 
@@ -118,7 +118,7 @@ def test_math_task_end_to_end(tmp_path, monkeypatch):
         scores, stats = score_batch(task, examples, responses, timeout_s=5.0)
         expected = [1.0 if e.answer != "42" else -1.0 for e in examples]
         assert scores == expected
-        assert stats == {"reward/errors": 0, "reward/timeouts": 0}
+        assert stats == ScoreStats(errors=0, timeouts=0)
     finally:
         pool.close()
 
@@ -150,7 +150,7 @@ def test_a_worker_that_ignores_its_alarm_is_killed_by_the_batch_deadline(monkeyp
         start = time.monotonic()
         scores, stats = score_batch(StuckTask(), [_ex("a")], ["a"], timeout_s=0.2)
         assert time.monotonic() - start < 10.0
-        assert scores == [-1.0] and stats == {"reward/errors": 0, "reward/timeouts": 1}
+        assert scores == [-1.0] and stats == ScoreStats(errors=0, timeouts=1)
         assert pool.restarts == 1
         scores, _ = score_batch(RemoteTask(), [_ex("a")], ["a"], timeout_s=0.5)  # a fresh pool answers
         assert scores == [1.0]

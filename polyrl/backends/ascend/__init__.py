@@ -5,9 +5,9 @@
 ``varlen_attention`` runs ``torch_npu.npu_fusion_attention`` (polyrl.backends.ascend.attention), imported on
 first call; it has been run only against the CPU emulator of the documented API, never on an NPU here.
 
-CPU mode (``POLYRL_ASCEND_ON_CPU=1``; ``polyrl run/parity --emulate`` sets it, polyrl.testing.emulation): the
+CPU mode (``POLYRL_ASCEND_ON_CPU=1``; ``polyrl run/parity --emulate`` sets it, polyrl.emulation): the
 same backend code with the host as its device and gloo as its collective library, so that whole recipes run
-against any stand-in module ``torch_npu`` (the packaged emulator, polyrl.testing.npu_emulator). The backend is
+against any stand-in module ``torch_npu`` (the packaged emulator, polyrl.emulation.npu). The backend is
 then available whenever a module ``torch_npu`` is importable or already in ``sys.modules``, and of that module
 it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``__version__`` and, where present,
 ``npu.utils.get_cann_version`` and ``npu.get_device_name`` (the chip, polyrl.backends.ascend.chip). Nothing in
@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from polyrl.backends.ascend.compat import cann_home
 from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
 
@@ -36,16 +37,6 @@ def on_cpu() -> bool:
     """CPU mode: the ascend backend's code on the host, against a stand-in ``torch_npu`` (read at each use, so
     that switching it on after the plugins loaded takes effect)."""
     return os.environ.get(ON_CPU_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def cann_home() -> str | None:
-    """The CANN toolkit directory, from the environment set by CANN's set_env.sh or the default path."""
-    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
-        path = os.environ.get(var)
-        if path and os.path.isdir(path):
-            return path
-    default = "/usr/local/Ascend/ascend-toolkit/latest"
-    return default if os.path.isdir(default) else None
 
 
 class AscendBackend(Backend):
@@ -96,7 +87,7 @@ class AscendBackend(Backend):
             if "torch_npu" in sys.modules or importlib.util.find_spec("torch_npu") is not None:
                 return Availability(True, f"{ON_CPU_ENV}=1: torch_npu stand-in on the CPU (not an NPU)")
             return Availability(False, f"{ON_CPU_ENV}=1 but no module torch_npu is importable "
-                                       "(polyrl run --emulate installs polyrl.testing.npu_emulator)")
+                                       "(polyrl run --emulate installs polyrl.emulation.npu)")
         if importlib.util.find_spec("torch_npu") is None:
             return Availability(False, "torch_npu is not installed (install the build matching your CANN)")
         if cann_home() is None:

@@ -21,7 +21,7 @@ Design choices (docs/background.md §2, §4):
     ``l' = l e^{m - m'} + e^{s - m'}``, i.e. ``sum + exp(s - max)`` re-based so that a large sink cannot
     overflow) and ``attention_in = O'``; ``ds_h = -sum_i p_sink_i rowsum(dO'_i * O'_i)`` with
     ``p_sink_i = exp(s_h - LSE'_i)``. Exact, not an approximation: it is the flash backward of the
-    softmax with the sink column. Proven on polyrl.testing.npu_emulator only — not on an NPU.
+    softmax with the sink column. Proven on polyrl.emulation.npu only — not on an NPU.
   ``POLYRL_ASCEND_SINK=native|lse`` overrides the detection.
 
 ``torch_npu`` is imported inside functions only (importing it without CANN breaks ``import torch``).

@@ -3,6 +3,7 @@ release pairs, and the CANN version read from the toolkit's install files."""
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -30,10 +31,18 @@ def parse_cann_version(text: str) -> str | None:
     return m.group(1) if m else None
 
 
+def cann_home() -> str | None:
+    """The CANN toolkit directory, from the environment set by CANN's set_env.sh or the default path."""
+    for var in ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME"):
+        path = os.environ.get(var)
+        if path and os.path.isdir(path):
+            return path
+    default = "/usr/local/Ascend/ascend-toolkit/latest"
+    return default if os.path.isdir(default) else None
+
+
 def cann_version() -> str | None:
     """The installed CANN toolkit's version ("unknown" when its files do not say), None without a toolkit."""
-    from polyrl.backends.ascend import cann_home
-
     home = cann_home()
     if home is None:
         return None

@@ -26,6 +26,12 @@ How a call is routed (q_len = Sq, k_len = Sk):
 The mask function's pattern (sliding window, packing) is not read: the window comes from the
 ``sliding_window`` kwarg and packing from ``position_ids``; models needing other patterns (chunked or
 bidirectional attention) are not supported.
+
+Which backend runs the packed attention is the model's, not the process's: :func:`bind_backend` (called by
+``polyrl.core.models.build_model``) stores the backend on every module of the model, and the attention function
+reads it from the module transformers hands it. Two models bound to two backends therefore run side by side in
+one process. A model loaded with ``attn_implementation="polyrl"`` outside ``build_model`` and never bound runs
+on the process's active backend, as a direct call of ``varlen_attention`` does.
 """
 
 from __future__ import annotations
@@ -38,7 +44,46 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from polyrl.core.plugins.backend import Backend
+
 NAME = "polyrl"
+# The module attribute holding a model's backend binding (one _Binding shared by all of the model's modules).
+_BINDING_ATTR = "_polyrl_attention_backend"
+
+
+# --------------------------------------------------------------------------------------------------
+# the backend of a model
+
+
+class _Binding:
+    """A model's backend, shared by all its modules. Copying the model (``copy.deepcopy`` of the actor makes the
+    reference model) shares it too: a backend is a process-wide object, never duplicated."""
+
+    __slots__ = ("backend",)
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def __copy__(self) -> _Binding:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _Binding:
+        return self
+
+
+def bind_backend(model: Any, backend: Backend) -> None:
+    """Run every ``"polyrl"`` attention call of ``model`` on ``backend`` from now on (rebinding replaces the
+    previous backend). Every submodule gets the binding: transformers hands the attention function the module
+    that calls it, whichever class that is."""
+    binding = _Binding(backend)
+    for module in model.modules():
+        setattr(module, _BINDING_ATTR, binding)
+
+
+def bound_backend(module: Any) -> Backend | None:
+    """The backend ``module`` was bound to by :func:`bind_backend`, or None."""
+    binding = getattr(module, _BINDING_ATTR, None)
+    return binding.backend if binding is not None else None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -132,6 +177,7 @@ def polyrl_attention_forward(
             f"attn_implementation={NAME!r} expects the 2-D padding mask of its own mask function, got a "
             f"{attention_mask.dim()}-D mask (a custom 4-D mask is not supported)"
         )
+    backend = bound_backend(module)  # None: never bound, the process's active backend
     b, hq, sq, d = query.shape
     sk, dv = key.shape[2], value.shape[3]
     window = int(sliding_window) if sliding_window else None
@@ -159,6 +205,7 @@ def polyrl_attention_forward(
             scale=scale,
             window=window,
             sinks=s_aux,
+            backend=backend,
         )
         return out.view(b, sq, hq, dv), None
 
@@ -176,6 +223,7 @@ def polyrl_attention_forward(
             scale=scale,
             window=window,
             sinks=s_aux,
+            backend=backend,
         )
         out = out_real.new_zeros(b * sq, hq, dv).index_copy(0, idx, out_real)
         return out.view(b, sq, hq, dv), None

@@ -3,8 +3,10 @@
 Two forms share one semantics (docs/background.md §1-2):
 
 - :func:`varlen_attention` — training: packed documents, no padding, one query per key. It validates its
-  inputs once here and dispatches to the active (or named) backend, whose ``varlen_attention`` is a native
-  kernel or the exact reference of :mod:`polyrl.core.attention.reference`.
+  inputs once here and dispatches to the given backend (a model's attention passes the backend bound to it
+  at construction, :mod:`polyrl.core.attention.hf`) or, for a direct call without one, the process's active
+  backend; the backend's ``varlen_attention`` is a native kernel or the exact reference of
+  :mod:`polyrl.core.attention.reference`.
 - :func:`decode_attention` — generation: a batch of queries sitting at the END of a KV cache
   (q_len <= k_len, bottom-right aligned) with a key padding mask (left padding). It is dense over the
   cache (chunked over queries) and runs the same fp32 math on every backend for now: no backend provides a

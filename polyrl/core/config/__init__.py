@@ -1,5 +1,6 @@
 """Recipe configuration: the typed schema and its loader (see ``schema`` and ``loader``)."""
 
+from polyrl.core.config.checks import check_config
 from polyrl.core.config.loader import (
     PACKAGED_RECIPES,
     apply_overrides,
@@ -20,6 +21,7 @@ from polyrl.core.config.schema import (
     OverlongConfig,
     RolloutConfig,
     RunConfig,
+    ShardingConfig,
     TrainerConfig,
 )
 
@@ -34,8 +36,10 @@ __all__ = [
     "OverlongConfig",
     "RolloutConfig",
     "RunConfig",
+    "ShardingConfig",
     "TrainerConfig",
     "apply_overrides",
+    "check_config",
     "config_from_dict",
     "dump_config",
     "load_config",

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from polyrl.core.config.checks import check_config
 from polyrl.core.config.schema import RunConfig
 from polyrl.core.config.validate import build_dataclass
 from polyrl.core.errors import BadInputError
@@ -163,12 +164,14 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 def load_config(spec: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RunConfig:
     """Resolve, merge, override and validate a recipe into a ``RunConfig``."""
-    data = apply_overrides(load_recipe_dict(spec), overrides)
-    return build_dataclass(RunConfig, data)
+    return config_from_dict(apply_overrides(load_recipe_dict(spec), overrides))
 
 
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    return build_dataclass(RunConfig, data)
+    """Validate a plain mapping into a ``RunConfig``: types and keys, then the cross-field rules."""
+    cfg = build_dataclass(RunConfig, data)
+    check_config(cfg)
+    return cfg
 
 
 def dump_config(cfg: RunConfig) -> str:

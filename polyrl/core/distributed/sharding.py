@@ -5,18 +5,20 @@ layer is then one all-gather unit (gathered just before its forward, freed after
 holds what is left (embeddings, final norm, LM head / value head). The model itself knows nothing about
 parallelism; this module is the only place that wraps it.
 
-The mixed-precision policy is the backend's (``Backend.sharding_policy()``): fp32 params and reductions
-on the CPU reference, bf16 params with fp32 gradient reduction on accelerators. The optimizer always
-holds fp32 sharded master weights. Without a process group (a single process) sharding is skipped and
+Two inputs, two owners: the recipe's choices are :class:`polyrl.core.config.ShardingConfig` (``sharding:``:
+enabled, CPU offload, resharding after forward); what the backend imposes is its
+:class:`~polyrl.core.plugins.backend.ShardingPolicy` (``Backend.sharding_policy()``: fp32 params and reductions on
+the CPU reference, bf16 params with fp32 gradient reduction on accelerators, refused world sizes, SUM
+reduction). The optimizer always holds fp32 sharded master weights. Without a process group (a single process) sharding is skipped and
 the model is returned as is: the 1-process run is the plain reference the N-process run must match.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from polyrl.core.config.schema import ShardingConfig
 from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
 
@@ -24,25 +26,12 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from polyrl.core.config.schema import RunConfig
     from polyrl.core.plugins.backend import Backend
 
 # Attribute paths where decoder layers live in the model families polyrl trains (HF causal LMs keep
 # them at ``model.layers``; a critic wrapping a backbone at ``backbone.model.layers``).
 _LAYER_PATHS = ("model.layers", "layers", "backbone.model.layers", "backbone.layers", "transformer.h")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingOptions:
-    """What the recipe chooses; the rest comes from the backend.
-
-    ``cpu_offload`` keeps sharded params, grads and optimizer state in host memory (accelerators only).
-    ``reshard_after_forward`` frees gathered layer weights after forward (less memory, one more
-    all-gather in backward).
-    """
-
-    enabled: bool = True
-    cpu_offload: bool = False
-    reshard_after_forward: bool = True
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -65,30 +54,34 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ in names and m is not model]
 
 
-def _options(policy: object | None) -> ShardingOptions:
-    """ShardingOptions from itself, None (defaults) or any object with the same attribute names (the
-    recipe's config section), so the config schema does not have to import this module."""
-    if policy is None or isinstance(policy, ShardingOptions):
-        return policy or ShardingOptions()
-    defaults = ShardingOptions()
-    return ShardingOptions(
-        **{f.name: getattr(policy, f.name, getattr(defaults, f.name)) for f in dataclasses.fields(defaults)}
-    )
+def check_placement(cfg: RunConfig, backend: Backend, world_size: int) -> None:
+    """Everything about running ``cfg`` on ``world_size`` processes of ``backend`` that can be refused before
+    any process starts (the launcher and the dry run call it; the trainer's own checks are the recipe's):
+    the world sizes the backend's collective library refuses, the sharding settings it cannot honour, and
+    prompts that do not split equally over the processes."""
+    if world_size < 1:
+        raise BadInputError(f"the world size must be >= 1, got {world_size}")
+    check_sharding(backend, world_size, cfg.sharding)
+    if cfg.data.batch_size % world_size:
+        raise BadInputError(
+            f"data.batch_size ({cfg.data.batch_size}) must be a multiple of the world size ({world_size} "
+            "processes: --nproc x --nnodes): each process takes an equal share of the prompts"
+        )
 
 
-def check_sharding(backend: Backend, world_size: int, options: object | None) -> None:
-    """Refuse what the backend cannot do, with a message that says what to change."""
-    options = _options(options)
+def check_sharding(backend: Backend, world_size: int, settings: ShardingConfig) -> None:
+    """Refuse the recipe's ``settings`` where the backend's policy cannot honour them, and world sizes its
+    collective library refuses, with a message that says what to change."""
     backend.check_world_size(world_size)
     policy = backend.sharding_policy()
-    if options.cpu_offload and not policy.cpu_offload_supported:
+    if settings.cpu_offload and not policy.cpu_offload_supported:
         raise BadInputError(
             f"backend {backend.name!r} does not support sharding.cpu_offload "
             f"(on the cpu backend parameters already live in host memory); set sharding.cpu_offload=false"
         )
     for field in ("param_dtype", "reduce_dtype"):
         torch_dtype(getattr(policy, field), what=f"backend {backend.name!r} sharding policy {field}")
-    if world_size > 1 and options.enabled:
+    if world_size > 1 and settings.enabled:
         missing = missing_fsdp2_methods()
         if missing:
             import torch
@@ -112,8 +105,9 @@ def missing_fsdp2_methods() -> list[str]:
     return [m for m in FSDP2_SUM_METHODS if not hasattr(FSDPModule, m)]
 
 
-def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = None) -> nn.Module:
-    """Shard ``model`` in place with FSDP2 (per decoder layer, then the root); returns the same module.
+def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig | None = None) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 (per decoder layer, then the root) as the recipe's ``settings``
+    (None: the defaults) and the backend's ``sharding_policy()`` say; returns the same module.
 
     No-op without an initialised process group. Call it on the actor, the reference model and the
     critic alike, before building their optimizers (the optimizer must see the sharded DTensor params).
@@ -123,23 +117,23 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
     """
     import torch.distributed as dist
 
-    options = _options(policy)
-    if not options.enabled or not (dist.is_available() and dist.is_initialized()):
+    settings = settings if settings is not None else ShardingConfig()
+    if not settings.enabled or not (dist.is_available() and dist.is_initialized()):
         return model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     world_size = dist.get_world_size()
-    check_sharding(backend, world_size, options)
-    bp = backend.sharding_policy()
+    check_sharding(backend, world_size, settings)
+    policy = backend.sharding_policy()
     mesh = init_device_mesh(backend.device_type, (world_size,))
     kwargs = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(
-            param_dtype=torch_dtype(bp.param_dtype, what=f"backend {backend.name!r} sharding policy param_dtype"),
-            reduce_dtype=torch_dtype(bp.reduce_dtype, what=f"backend {backend.name!r} sharding policy reduce_dtype"),
+            param_dtype=torch_dtype(policy.param_dtype, what=f"backend {backend.name!r} sharding policy param_dtype"),
+            reduce_dtype=torch_dtype(policy.reduce_dtype, what=f"backend {backend.name!r} sharding policy reduce_dtype"),
         ),
-        "offload_policy": CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy(),
+        "offload_policy": CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy(),
     }
     # Any dtype cast happens before this point (build_models builds in the recipe's dtype): after fully_shard the
     # parameters are DTensors, and on NPU torch_npu's dtype cast (_npu_dtype_cast) has no DTensor rule.
@@ -147,14 +141,14 @@ def apply_sharding(model: nn.Module, backend: Backend, policy: object | None = N
     if not layers:
         raise BadInputError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=options.reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=options.reshard_after_forward, **kwargs)
+        fully_shard(layer, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=settings.reshard_after_forward, **kwargs)
     # Sum gradients over ranks instead of FSDP's default mean: each rank's loss is already its share of
     # the global loss (local token sum / global token count, A.aggregate with the all-reduced count), so
     # the same loss code gives the same gradient with 1 or N processes.
     for module in [*layers, model]:
         module.set_gradient_divide_factor(1.0)
-        if bp.force_sum_reduction:  # the backend's collective library has no PREMUL_SUM (gloo, HCCL)
+        if policy.force_sum_reduction:  # the backend's collective library has no PREMUL_SUM (gloo, HCCL)
             module.set_force_sum_reduction_for_comms(True)
     return model
 

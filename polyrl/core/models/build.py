@@ -16,6 +16,8 @@ from polyrl.core.models.presets import PRESETS, check_overrides, model_config, p
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from polyrl.core.plugins.backend import Backend
+
 
 def build_model(
     name_or_path: str | os.PathLike,
@@ -26,6 +28,7 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     overrides: dict[str, Any] | None = None,
     seed: int | None = None,
+    backend: Backend | str | None = None,
 ) -> PreTrainedModel:
     """Build a causal LM.
 
@@ -38,12 +41,16 @@ def build_model(
         dtype: parameter dtype.
         overrides: config fields to change (any field of the model's config; unknown ones are refused).
         seed: seeds the random init of a preset without touching the global RNG state.
+        backend: the backend whose kernels the model's ``"polyrl"`` attention runs, bound to the model for its
+            life (a Backend, a backend name, or None: the process's active backend now). Rebind a built model
+            with ``polyrl.core.attention.hf.bind_backend``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import polyrl.core.attention.hf as hf_attention
 
     hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
+    backend = _backend(backend)
     overrides = dict(overrides or {})
     experts = {"experts_implementation": experts_implementation} if experts_implementation else {}
     path = os.fspath(name_or_path)
@@ -56,6 +63,7 @@ def build_model(
         )
         if vocab_size is not None and vocab_size != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(vocab_size)
+        hf_attention.bind_backend(model, backend)
         return model
     if path not in PRESETS:
         raise ValueError(
@@ -71,4 +79,15 @@ def build_model(
             torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,
                                                  **experts)
+    hf_attention.bind_backend(model, backend)
     return model
+
+
+def _backend(backend: Backend | str | None) -> Backend:
+    from polyrl.core.plugins.selection import get_active_backend, resolve_backend
+
+    if backend is None:
+        return get_active_backend()
+    if isinstance(backend, str):
+        return resolve_backend(backend)
+    return backend

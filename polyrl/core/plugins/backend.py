@@ -5,10 +5,11 @@ construct and must not touch a device in ``__init__`` or ``detect``: detection r
 and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
 Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel`` and
-``linear_logprobs_kernel`` are ``"module:function"`` paths (imported on first call, so vendor modules load only when a kernel runs). A slot
-left at its default runs the reference implementation in core. ``native_kernels`` is derived from the slots —
-a kernel is native when its slot names another function than the reference (or the method is overridden) —
-and ``polyrl backends`` lists the rest as falling back to the reference (``kernels_fallback``). A slot that
+``linear_logprobs_kernel`` are ``"module:function"`` paths, imported on a backend object's first call of that
+kernel and kept on the object (``Backend.kernel``), so vendor modules load only when a kernel runs and never again
+per call. A slot left at its default runs the reference implementation in core. ``provided_kernels()`` is derived
+from the slots — a kernel is provided when its slot names another function than the reference (or the method is
+overridden) — and ``polyrl backends`` lists the rest as falling back to the reference (``kernels_fallback``). A slot that
 does not resolve (a typo) makes the backend unavailable with a one-line reason (``availability()``), found
 when ``polyrl backends`` / ``polyrl doctor`` run, before any kernel does.
 """
@@ -20,6 +21,8 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import warnings
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
@@ -128,8 +131,8 @@ def static_kernel_problem(path: str) -> str:
 
 def resolve_kernel(path: str) -> Any:
     """Import ``"module:function"`` and return the function; ``ImportError`` with a one-line reason otherwise.
-    Not cached: the module is (sys.modules), and the attribute is read on every call so that a patched kernel
-    (a test's monkeypatch) is the one that runs."""
+    Not cached here (checks call it to see the module as it is now); a backend keeps what it resolved for its
+    kernels (``Backend.kernel``)."""
     parts = _split_path(path)
     if parts is None:
         raise ImportError(f"{path!r} is not a 'module:function' path")
@@ -153,7 +156,8 @@ class Availability:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingPolicy:
-    """How FSDP2 should be applied on this backend.
+    """What a backend imposes on FSDP2 sharding, whatever the recipe chooses (the recipe's own choices —
+    enabled, CPU offload, resharding — are ``polyrl.core.config.ShardingConfig``).
 
     ``param_dtype``/``reduce_dtype`` are torch dtype names ("float32", "bfloat16") so that the policy is
     printable and comparable without importing torch. ``world_sizes_refused`` lists world sizes the
@@ -211,6 +215,16 @@ class Backend:
         """Is the hardware and software present? Must not initialise a device."""
         raise NotImplementedError
 
+    def kernel(self, name: str) -> Callable[..., Any]:
+        """The function kernel ``name`` (one of ``KERNELS``) runs on this backend: its slot's ``"module:function"``,
+        imported on the first call and kept on this object, so that a kernel call never imports again (a module
+        lookup per attention layer and step would be on the hot path)."""
+        cache = self.__dict__.setdefault("_resolved_kernels", {})
+        fn = cache.get(name)
+        if fn is None:
+            fn = cache[name] = resolve_kernel(getattr(self, KERNEL_SLOTS[name]))
+        return fn
+
     # --- kernels -------------------------------------------------------------------------------
     def varlen_attention(
         self,
@@ -225,12 +239,11 @@ class Backend:
     ) -> torch.Tensor:
         """Packed causal attention with optional window and sinks (contract in polyrl.core.attention).
 
-        Runs the function named by ``attention_kernel``, imported on first call so that vendor modules
-        (triton, torch_npu) load only when a kernel actually runs. Override the method only when a
+        Runs the function named by ``attention_kernel`` (``kernel``: imported on the first call, so that vendor
+        modules (triton, torch_npu) load only when a kernel actually runs). Override the method only when a
         backend needs more than a function call.
         """
-        kernel = resolve_kernel(self.attention_kernel)
-        return kernel(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+        return self.kernel("varlen_attention")(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
 
     def logprobs(
         self,
@@ -243,8 +256,7 @@ class Backend:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log-prob of ``labels`` and entropy of softmax(logits / temperature), both fp32 [..., T]
         (contract: polyrl.core.algorithms.logprobs.logprobs_and_entropy). Runs ``logprobs_kernel``."""
-        kernel = resolve_kernel(self.logprobs_kernel)
-        return kernel(logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
+        return self.kernel("logprobs")(logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
 
     # --- rollout engines (rollout_engines: in order of preference; ``rollout.engine: auto`` takes the first ready)
     def rollout_engine_problem(self, engine: str) -> str:
@@ -270,9 +282,8 @@ class Backend:
         """``logprobs`` of the logits ``hidden @ weight.T + bias`` without materialising them: hidden [..., T, H],
         weight [V, H] -> fp32 (logp, entropy) [..., T], differentiable in hidden, weight and bias (contract:
         polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy). Runs ``linear_logprobs_kernel``."""
-        kernel = resolve_kernel(self.linear_logprobs_kernel)
-        return kernel(hidden, weight, labels, bias=bias, chunk_size=chunk_size, temperature=temperature,
-                      compute_entropy=compute_entropy)
+        return self.kernel("linear_logprobs")(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
+                                              temperature=temperature, compute_entropy=compute_entropy)
 
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:
@@ -389,7 +400,9 @@ class Backend:
 
     @property
     def native_kernels(self) -> frozenset[str]:
-        """Derived from the kernel slots (``provided_kernels``), never declared."""
+        """Deprecated alias of ``provided_kernels()``, kept for one minor version for plugins that read it."""
+        warnings.warn("Backend.native_kernels is deprecated; call Backend.provided_kernels()", DeprecationWarning,
+                      stacklevel=2)
         return self.provided_kernels()
 
     def kernels_fallback(self) -> list[str]:

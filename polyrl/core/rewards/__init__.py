@@ -7,6 +7,6 @@
 
 from __future__ import annotations
 
-from polyrl.core.rewards.batch import DEFAULT_TIMEOUT_S, RewardFn, score_batch
+from polyrl.core.rewards.batch import DEFAULT_TIMEOUT_S, RewardFn, ScoreStats, score_batch
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RewardFn", "score_batch"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RewardFn", "ScoreStats", "score_batch"]

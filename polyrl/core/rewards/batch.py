@@ -9,6 +9,7 @@ interrupted safely; tasks that declare ``remote_score`` (math) run in time-bound
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Sequence
@@ -33,11 +34,20 @@ class ScoredTask(Protocol):
     def score(self, example: Any, response: str) -> float: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreStats:
+    """How many rewards of a batch failed: raised or returned a non-finite value (``errors``), or ran past the
+    time bound (``timeouts``). Each scored as the task's failure score."""
+
+    errors: int = 0
+    timeouts: int = 0
+
+
 def score_batch(task: ScoredTask, examples: Sequence[Any], responses: Sequence[str], *,
-                timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[float], dict[str, int]]:
+                timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[list[float], ScoreStats]:
     """Score ``responses[i]`` against ``examples[i]``; never raises for a failing reward.
 
-    Returns the scores and ``{"reward/errors": n, "reward/timeouts": n}``. A call that raises,
+    Returns the scores and the :class:`ScoreStats` of the failures. A call that raises,
     returns a non-finite value, or runs past ``timeout_s`` seconds scores ``task.failure_score``
     (0.0 for synthetic tasks, -1.0 for math).
     """
@@ -58,7 +68,7 @@ def score_batch(task: ScoredTask, examples: Sequence[Any], responses: Sequence[s
                 timeouts += 1
             else:
                 errors += 1
-        return scores, {"reward/errors": errors, "reward/timeouts": timeouts}
+        return scores, ScoreStats(errors, timeouts)
 
     for example, response in zip(examples, responses):
         start = time.perf_counter()
@@ -76,4 +86,4 @@ def score_batch(task: ScoredTask, examples: Sequence[Any], responses: Sequence[s
             scores.append(failure)
         else:
             scores.append(value)
-    return scores, {"reward/errors": errors, "reward/timeouts": timeouts}
+    return scores, ScoreStats(errors, timeouts)

@@ -200,6 +200,24 @@ class RunLock:
 
 
 # --- metrics and events --------------------------------------------------------------------------------
+def lock_run_dir(run_dir: str | os.PathLike[str], *, delegated_by: int | None = None) -> RunLock | None:
+    """The run's lock, taken by rank 0 before the directory is read or written (or found held by this worker's
+    launcher, ``delegated_by``); collective: every rank learns the outcome, so a refused run ends every rank
+    with ``RunDirLocked``, not just rank 0. Returns rank 0's lock (None on other ranks)."""
+    from polyrl.core import distributed as D
+
+    lock, refused = None, None
+    if D.is_main_process():
+        try:
+            lock = RunLock.acquire(run_dir, delegated_by=delegated_by)
+        except RunDirLocked as exc:
+            refused = exc
+    reason = D.broadcast_object(str(refused) if refused is not None else None)
+    if reason is not None:
+        raise refused if refused is not None else RunDirLocked(reason)
+    return lock
+
+
 def read_history(path: Path, keep_upto: int) -> list[dict[str, Any]]:
     """The records of steps 1..keep_upto of a metrics file, each step once (the last line written for a
     step wins), in step order; unreadable lines (a half-written last line of a killed run) are dropped."""
@@ -223,6 +241,7 @@ class RunDir:
         self.is_main = is_main
         self._metrics_f = None
         self._tb = None
+        self.opened = False  # True once open() began: the directory may hold this run's files from then on
 
     @property
     def checkpoints(self) -> Path:
@@ -239,6 +258,7 @@ class RunDir:
     def open(self, config_yaml: str, *, resume_step: int | None = None, tensorboard: bool = True) -> RunDir:
         """Create the directory, write the resolved config, cut the history back to ``resume_step`` (0 or
         None: a fresh start) and open the metrics writers."""
+        self.opened = True
         if not self.is_main:
             return self
         self.path.mkdir(parents=True, exist_ok=True)

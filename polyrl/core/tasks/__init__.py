@@ -16,29 +16,13 @@ Plugins add tasks through the ``polyrl_register_tasks`` hook: ``register("name",
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from polyrl.core.errors import BadInputError
-
-
-@dataclasses.dataclass
-class Example:
-    """One prompt and its reference answer.
-
-    ``prompt``: for synthetic tasks, whitespace-separated symbols that are all in ``task.vocab()``
-    (e.g. ``"copy : 3 1 4 ="``); for text tasks, the prompt text. ``group_id`` names the prompt: the
-    trainer samples several responses per example and they share it (GRPO/DAPO groups). ``meta`` holds
-    task-specific extras (e.g. the chat messages and source row of a math example).
-    """
-
-    prompt: str
-    answer: str
-    group_id: int | str
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+from polyrl.core.tasks.example import Example
 
 
 @runtime_checkable
@@ -49,7 +33,9 @@ class Task(Protocol):
     {-1, +1}. ``failure_score`` is what a response scores when its reward raises or times out (0.0,
     resp. -1.0). ``max_response_tokens`` is the default generation budget (a recipe may override it).
 
-    Optional: a task whose scoring may be slow or hang (math) sets ``remote_score`` to a picklable
+    Optional: ``state_dict()`` / ``load_state_dict(state)`` for a task that keeps a position in its prompt
+    stream (the built-in tasks: the next group id, the math task's epoch order): saved in checkpoints.
+    A task whose scoring may be slow or hang (math) sets ``remote_score`` to a picklable
     top-level function ``(answer, response) -> float``; :func:`polyrl.core.rewards.score_batch` then
     runs it in worker processes under a hard time bound instead of calling ``score`` inline.
     """

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 from polyrl.core.data import load_rows
 from polyrl.core.errors import BadInputError
 from polyrl.core.rewards.math import INCORRECT, math_reward
-from polyrl.core.tasks import Example
+from polyrl.core.tasks.example import Example
 
 
 class MathTask:
@@ -57,6 +58,13 @@ class MathTask:
                                     meta={"row": row["row"], "messages": row["messages"]}))
             self._next_group += 1
         return examples
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt stream's position (epoch order, cursor, next group id): saved with the trainer's state."""
+        return {"order": list(self._order), "cursor": self._cursor, "next_group": self._next_group}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._order, self._cursor, self._next_group = list(state["order"]), int(state["cursor"]), int(state["next_group"])
 
     def score(self, example: Example, response: str) -> float:
         """+1 / -1, in-process and without a time bound (score_batch bounds it; see rewards.math)."""

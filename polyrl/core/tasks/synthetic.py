@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 from polyrl.core.errors import BadInputError
-from polyrl.core.tasks import Example
+from polyrl.core.tasks.example import Example
 
 DIGITS = [str(d) for d in range(10)]
 
@@ -129,6 +130,13 @@ class SyntheticTask:
             b = [rng.randrange(self.n_digits) for _ in range(self.k)] if self._two_operands else None
             examples.append(self.make_example(a, b))
         return examples
+
+    def state_dict(self) -> dict[str, Any]:
+        """The prompt stream's position (the next group id; the prompts come from the trainer's rng)."""
+        return {"next_group": self._next_group}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._next_group = int(state["next_group"])
 
     def score(self, example: Example, response: str) -> float:
         return score_symbols(example.answer.split(), response.split(), exact=self.exact)

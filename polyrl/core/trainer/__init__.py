@@ -1,6 +1,10 @@
-"""The RL trainer: the loop (``loop``), experience collection (``experience``), updates (``update``)."""
+"""The RL trainer: ``Trainer.train()`` (the run) and its step's stages (``collect`` → ``prepare_update`` →
+``update``), with the typed data between them. docs/step.md describes the flow."""
 
-from polyrl.core.trainer.experience import TrainingAborted
-from polyrl.core.trainer.loop import Trainer, fit, seed_everything
+from polyrl.core.trainer.experience import Experience, Generation, RolloutCounts, TrainingAborted
+from polyrl.core.trainer.loop import RunStopped, Trainer, seed_everything
+from polyrl.core.trainer.prepare import UpdateInputs, prepare_update
+from polyrl.core.trainer.update import UpdateMetrics
 
-__all__ = ["Trainer", "TrainingAborted", "fit", "seed_everything"]
+__all__ = ["Experience", "Generation", "RolloutCounts", "RunStopped", "Trainer", "TrainingAborted", "UpdateInputs",
+           "UpdateMetrics", "prepare_update", "seed_everything"]

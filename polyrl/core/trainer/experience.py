@@ -1,11 +1,16 @@
 """From prompts to a scored training batch: rollout → reward → overlong shaping → DAPO dynamic sampling.
 
-``collect_experience`` draws ``data.batch_size`` prompts (this rank takes its contiguous slice), samples
+:func:`sample_experience` draws ``data.batch_size`` prompts (this rank takes its contiguous slice), samples
 ``rollout.n`` responses each, scores them with the task (a reward that raises or times out scores as
 failure and is counted), adds the DAPO overlong penalty, and — with dynamic sampling on — keeps only groups
 whose metric varies, drawing new generation batches until enough groups are kept or
 ``max_num_gen_batches`` is reached (then "error" stops the run with DAPO's message, "train" trains on
 what was kept).
+
+Rows travel as :class:`Generation` (typed per-sequence lists and [B] tensors), counters as the integer
+fields of :class:`RolloutCounts`; metrics are derived from both, never the other way round. The trainer's
+``collect()`` adds the model-side views of the sampled tokens (old and reference log-probs, values) to
+the :class:`Experience` this module returns.
 """
 
 from __future__ import annotations
@@ -45,18 +50,78 @@ class Rollout:
 
 
 @dataclasses.dataclass
-class Experience:
-    batch: SequenceBatch | None  # None when dynamic sampling kept nothing
-    scores: torch.Tensor  # [B] shaped sequence scores (task score + overlong penalty), on the batch's device
-    metrics: dict[str, float]
-    # counters of this step, as values (the trainer accumulates them into TrainerState.counters)
-    gen_batches: int = 0
-    groups_filtered: int = 0
-    overlong_penalized: int = 0
+class Generation:
+    """Sequences of one or more generation batches: per-sequence lists, [B] CPU tensors, and counts."""
+
+    prompts: list[list[int]]
+    responses: list[list[int]]
+    logprobs: list[list[float]]  # the engine's sampling log-probs per response token
+    group_ids: list[Any]
+    finish: list[str]  # "stop" | "length"
+    raw: torch.Tensor  # [B] the task's scores
+    penalty: torch.Tensor  # [B] DAPO overlong penalty (<= 0; zeros when off)
+    lengths: torch.Tensor  # [B] response lengths (float)
     reward_errors: int = 0
     reward_timeouts: int = 0
+    truncated: int = 0  # prompts cut to data.max_prompt_length
+
+    @property
+    def shaped(self) -> torch.Tensor:
+        """[B] the scores the update learns from: task score + overlong penalty."""
+        return self.raw + self.penalty
+
+    @property
+    def size(self) -> int:
+        return len(self.prompts)
+
+    def select(self, rows: list[int]) -> Generation:
+        """The sequences ``rows`` (counts are of the generation, not of a selection: zero here)."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        return Generation(*([getattr(self, k)[i] for i in rows] for k in _ROW_FIELDS),
+                          *(getattr(self, k)[idx] for k in _TENSOR_FIELDS))
+
+    @staticmethod
+    def concat(parts: list[Generation]) -> Generation:
+        """Rows of ``parts`` in order; counts summed."""
+        if not parts:
+            return Generation([], [], [], [], [], torch.zeros(0), torch.zeros(0), torch.zeros(0))
+        return Generation(*([x for p in parts for x in getattr(p, k)] for k in _ROW_FIELDS),
+                          *(torch.cat([getattr(p, k) for p in parts]) for k in _TENSOR_FIELDS),
+                          *(sum(getattr(p, k) for p in parts) for k in _COUNT_FIELDS))
 
 
+_ROW_FIELDS = ("prompts", "responses", "logprobs", "group_ids", "finish")
+_TENSOR_FIELDS = ("raw", "penalty", "lengths")
+_COUNT_FIELDS = ("reward_errors", "reward_timeouts", "truncated")
+
+
+@dataclasses.dataclass
+class RolloutCounts:
+    """What one step's rollout counted, over every rank's sequences (identical on every rank)."""
+
+    gen_batches: int = 0  # generation batches drawn (> 1 only under dynamic sampling)
+    groups_filtered: int = 0  # groups dropped by dynamic sampling (same metric for every sample)
+    groups_kept: int = 0
+    overlong_penalized: int = 0  # sequences with a negative overlong penalty
+    reward_errors: int = 0  # rewards that raised (scored as the task's failure score)
+    reward_timeouts: int = 0
+    truncated_prompts: int = 0
+
+
+@dataclasses.dataclass
+class Experience:
+    """One step's training data on this rank. ``batch`` is None when dynamic sampling kept nothing.
+
+    [B] and [B, R] tensors live on the batch's device. ``old_logp`` / ``ref_logp`` / ``values`` are the trainer's
+    views of the sampled tokens (filled by ``Trainer.collect``; None when not computed or not configured)."""
+
+    batch: SequenceBatch | None
+    scores: torch.Tensor  # [B] shaped sequence scores (task score + overlong penalty)
+    counts: RolloutCounts
+    metrics: dict[str, float]
+    old_logp: torch.Tensor | None = None  # [B, R] the actor before the update (the behaviour policy's log-probs)
+    ref_logp: torch.Tensor | None = None  # [B, R] the frozen reference (KL terms)
+    values: torch.Tensor | None = None  # [B, R] the critic before the update (GAE)
 
 
 def decode_response(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:
@@ -73,7 +138,7 @@ def _row_seeds(gen: torch.Generator, first_row: int, count: int) -> list[int]:
     return [(base ^ ((first_row + i + 1) * 0x9E3779B97F4A7C15)) & (2**63 - 1) for i in range(count)]
 
 
-def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: int = 0) -> dict[str, Any]:
+def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: int = 0) -> Generation:
     """One generation batch on this rank: per sequence prompt, response, logprobs, group, score.
 
     ``first_row``: global index of this rank's first sequence (for the per-sequence sampling seeds).
@@ -100,45 +165,22 @@ def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: 
         A.overlong_penalty(lengths, cfg.rollout.max_response_length, ov.buffer_length, ov.penalty_factor)
         if ov.enable else torch.zeros_like(raw_t)
     )
-    return {
-        "prompts": seq_prompts, "responses": out.response_ids, "logprobs": out.logprobs,
-        "group_ids": [ex.group_id for ex in seq_examples], "raw": raw_t, "shaped": raw_t + penalty,
-        "penalty": penalty, "lengths": lengths, "finish": out.finish_reasons, "stats": stats,
-        "truncated": truncated,
-    }
+    return Generation(seq_prompts, out.response_ids, out.logprobs, [ex.group_id for ex in seq_examples],
+                      out.finish_reasons, raw_t, penalty, lengths, reward_errors=stats.errors,
+                      reward_timeouts=stats.timeouts, truncated=truncated)
 
 
-_ROW_KEYS = ("prompts", "responses", "logprobs", "group_ids", "finish")  # per-sequence lists of a part
-_TENSOR_KEYS = ("raw", "shaped", "penalty", "lengths")
-
-
-def _gather_global(part: dict[str, Any]) -> dict[str, Any]:
+def _gather_global(part: Generation) -> Generation:
     """This generation batch as the 1-process run sees it: every rank's rows, in rank order.
 
     Ranks generate contiguous slices of the prompts, so the concatenation in rank order is exactly the
     1-process batch (per-sequence sampling seeds make the samples identical too).
     """
     parts = D.all_gather_object(part)
-    if len(parts) == 1:
-        return part
-    out: dict[str, Any] = {k: [x for p in parts for x in p[k]] for k in _ROW_KEYS}
-    out.update({k: torch.cat([p[k] for p in parts]) for k in _TENSOR_KEYS})
-    out["stats"] = {k: sum(p["stats"].get(k, 0) for p in parts) for k in parts[0]["stats"]}
-    out["truncated"] = sum(p["truncated"] for p in parts)
-    return out
+    return part if len(parts) == 1 else Generation.concat(parts)
 
 
-_SEQ_KEYS = ("prompts", "responses", "logprobs", "group_ids")  # what a training batch is built from
-
-
-def _select(part: dict[str, Any], rows: list[int]) -> dict[str, Any]:
-    """The sequences ``rows`` of ``part`` (lists per key, plus their shaped scores)."""
-    out = {k: [part[k][i] for i in rows] for k in _SEQ_KEYS}
-    out["shaped"] = part["shaped"][rows]
-    return out
-
-
-def _rank_share(kept: list[dict[str, Any]]) -> dict[str, Any]:
+def _rank_share(kept: Generation) -> Generation:
     """This rank's contiguous share of the kept groups (whole groups stay on one rank).
 
     Under N processes the kept groups are trimmed to a multiple of N so that every rank trains on the
@@ -146,94 +188,88 @@ def _rank_share(kept: list[dict[str, Any]]) -> dict[str, Any]:
     multiple of N) is never trimmed; only a step that ran out of generation batches with
     ``on_exhausted: train`` can lose up to N - 1 groups.
     """
-    rows = {k: [x for part in kept for x in part[k]] for k in _SEQ_KEYS}
-    rows["shaped"] = torch.cat([part["shaped"] for part in kept]) if kept else torch.zeros(0)
     world = D.get_world_size()
     if world == 1:
-        return rows
-    groups = list(dict.fromkeys(rows["group_ids"]))
+        return kept
+    groups = list(dict.fromkeys(kept.group_ids))
     groups = groups[: len(groups) - len(groups) % world]
     mine = set(groups[D.rank_slice(len(groups))])
-    return _select(rows, [i for i, g in enumerate(rows["group_ids"]) if g in mine])
+    return kept.select([i for i, g in enumerate(kept.group_ids) if g in mine])
 
 
-def collect_experience(cfg: RunConfig, ro: Rollout) -> Experience:
+def sample_experience(cfg: RunConfig, ro: Rollout) -> Experience:
     """Generate on this rank's slice of the prompts, then decide over the global batch (identically on every
-    rank) which groups to keep, and train on this rank's share of them."""
+    rank) which groups to keep, and return this rank's share of them (no model-side views yet)."""
     ds = cfg.algorithm.dynamic_sampling
     target = cfg.data.batch_size  # groups (prompts) in the global batch
-    kept: list[dict[str, Any]] = []
-    kept_groups = gen_batches = filtered_groups = 0
-    seen: list[dict[str, Any]] = []  # every generated sequence (global), for the reward/length metrics
+    kept: list[Generation] = []
+    counts = RolloutCounts()
+    seen: list[Generation] = []  # every generated sequence (global), for the reward/length metrics
     t0 = time.perf_counter()
     while True:
         examples = D.shard_for_rank(ro.task.sample(target, ro.task_rng))
-        part = _generate_and_score(cfg, ro, examples, first_row=D.rank_slice(target).start * cfg.rollout.n)
-        part = _gather_global(part)
+        part = _gather_global(_generate_and_score(cfg, ro, examples, first_row=D.rank_slice(target).start * cfg.rollout.n))
         seen.append(part)
-        gen_batches += 1
-        rows = list(range(len(part["prompts"])))
+        counts.gen_batches += 1
+        rows = list(range(part.size))
         if not ds.enable:
-            kept.append(_select(part, rows))
-            kept_groups = target
+            kept.append(part)
+            counts.groups_kept = target
             break
-        metric = part["raw"] >= 1.0 if ds.metric == "acc" else part["shaped"]
-        keep = A.filter_groups(metric.float(), part["group_ids"]).tolist()
-        groups = list(dict.fromkeys(part["group_ids"]))
-        keep_groups = [g for g in groups if keep[part["group_ids"].index(g)]]
-        filtered_groups += len(groups) - len(keep_groups)
-        keep_groups = keep_groups[: target - kept_groups]  # only what the batch still needs, in arrival order
+        metric = part.raw >= 1.0 if ds.metric == "acc" else part.shaped
+        keep = A.filter_groups(metric.float(), part.group_ids).tolist()
+        groups = list(dict.fromkeys(part.group_ids))
+        keep_groups = [g for g in groups if keep[part.group_ids.index(g)]]
+        counts.groups_filtered += len(groups) - len(keep_groups)
+        keep_groups = keep_groups[: target - counts.groups_kept]  # only what the batch still needs, in arrival order
         chosen = set(keep_groups)
-        kept.append(_select(part, [i for i in rows if part["group_ids"][i] in chosen]))
-        kept_groups += len(keep_groups)
-        if kept_groups >= target:
+        kept.append(part.select([i for i in rows if part.group_ids[i] in chosen]))
+        counts.groups_kept += len(keep_groups)
+        if counts.groups_kept >= target:
             break
-        if 0 < ds.max_num_gen_batches <= gen_batches:
+        if 0 < ds.max_num_gen_batches <= counts.gen_batches:
             if ds.on_exhausted == "error":
                 raise TrainingAborted(
-                    f"dynamic sampling kept {kept_groups} of the {target} groups needed after {gen_batches} "
-                    f"generation batches (algorithm.dynamic_sampling.max_num_gen_batches={ds.max_num_gen_batches}; "
-                    f"{filtered_groups} groups had the same {ds.metric} for every sample). Raise the bound, lower "
-                    "data.batch_size, or use easier/harder data."
+                    f"dynamic sampling kept {counts.groups_kept} of the {target} groups needed after "
+                    f"{counts.gen_batches} generation batches (algorithm.dynamic_sampling.max_num_gen_batches="
+                    f"{ds.max_num_gen_batches}; {counts.groups_filtered} groups had the same {ds.metric} for every "
+                    "sample). Raise the bound, lower data.batch_size, or use easier/harder data."
                 )
             break
     rollout_s = time.perf_counter() - t0
-
-    metrics = _rollout_metrics(cfg, seen)
-    metrics.update({"dapo/gen_batches": gen_batches, "dapo/groups_filtered": filtered_groups,
-                    "dapo/groups_kept": kept_groups, "time/rollout_s": rollout_s})
-    counts = dict(
-        gen_batches=gen_batches, groups_filtered=filtered_groups,
-        overlong_penalized=int(metrics["dapo/overlong_penalized"]),
-        reward_errors=int(metrics["reward/errors"]), reward_timeouts=int(metrics["reward/timeouts"]),
-    )
-    mine = _rank_share(kept)
-    if not mine["prompts"]:
-        return Experience(None, torch.zeros(0, device=ro.device), metrics, **counts)
-    batch = SequenceBatch.from_rollout(mine["prompts"], mine["responses"], mine["logprobs"], mine["group_ids"],
-                                       device=ro.device)
-    return Experience(batch, mine["shaped"].to(ro.device), metrics, **counts)
+    everything = Generation.concat(seen)
+    counts.overlong_penalized = int((everything.penalty < 0).sum())
+    counts.reward_errors, counts.reward_timeouts = everything.reward_errors, everything.reward_timeouts
+    counts.truncated_prompts = everything.truncated
+    metrics = _rollout_metrics(everything, counts)
+    metrics["time/rollout_s"] = rollout_s
+    mine = _rank_share(Generation.concat(kept))
+    if not mine.size:
+        return Experience(None, torch.zeros(0, device=ro.device), counts, metrics)
+    batch = SequenceBatch.from_rollout(mine.prompts, mine.responses, mine.logprobs, mine.group_ids, device=ro.device)
+    return Experience(batch, mine.shaped.to(ro.device), counts, metrics)
 
 
-def _rollout_metrics(cfg: RunConfig, seen: list[dict[str, Any]]) -> dict[str, float]:
-    raw = torch.cat([p["raw"] for p in seen])
-    lengths = torch.cat([p["lengths"] for p in seen])
-    penalty = torch.cat([p["penalty"] for p in seen])
-    clipped = sum(f == "length" for p in seen for f in p["finish"])
+def _rollout_metrics(seen: Generation, counts: RolloutCounts) -> dict[str, float]:
+    """Metrics of every generated sample (before dynamic sampling) and of the step's counts."""
+    clipped = sum(f == "length" for f in seen.finish)
     return {
         # reward/* is the task's own score (before overlong shaping), over every generated sample
-        "reward/mean": float(raw.mean()),
-        "reward/max": float(raw.max()),
-        "reward/min": float(raw.min()),
-        "reward/shaped_mean": float((raw + penalty).mean()),
-        "reward/errors": sum(p["stats"].get("reward/errors", 0) for p in seen),
-        "reward/timeouts": sum(p["stats"].get("reward/timeouts", 0) for p in seen),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/clip_ratio": clipped / len(lengths),
-        "dapo/overlong_penalized": int((penalty < 0).sum()),
-        "dapo/overlong_penalty_mean": float(penalty.mean()),
-        "prompt/truncated": sum(p["truncated"] for p in seen),
+        "reward/mean": float(seen.raw.mean()),
+        "reward/max": float(seen.raw.max()),
+        "reward/min": float(seen.raw.min()),
+        "reward/shaped_mean": float(seen.shaped.mean()),
+        "reward/errors": counts.reward_errors,
+        "reward/timeouts": counts.reward_timeouts,
+        "response/length_mean": float(seen.lengths.mean()),
+        "response/length_max": float(seen.lengths.max()),
+        "response/clip_ratio": clipped / seen.size,
+        "dapo/overlong_penalized": counts.overlong_penalized,
+        "dapo/overlong_penalty_mean": float(seen.penalty.mean()),
+        "prompt/truncated": counts.truncated_prompts,
+        "dapo/gen_batches": counts.gen_batches,
+        "dapo/groups_filtered": counts.groups_filtered,
+        "dapo/groups_kept": counts.groups_kept,
     }
 
 

@@ -1,4 +1,5 @@
-"""Building what a run needs from its config, before anything is written: task, tokenizer, models, optimizers.
+"""Building what a run needs from its config, before anything is written: task, tokenizer, models, optimizers,
+the rollout engine and the learners (:func:`build_components`, once per ``Trainer``).
 
 Every user mistake that can be caught here is raised as ``BadInputError`` (unknown task or model preset,
 missing data file, a data row without its field), so ``polyrl run`` can exit 2 before it creates or
@@ -18,8 +19,14 @@ from polyrl.core import algorithms as A
 from polyrl.core.config import RunConfig
 from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
+from polyrl.core.models.lm_head import fused_kernel_for
+from polyrl.core.rollout import build_engine, resolve_engine
+from polyrl.core.trainer import sync
 from polyrl.core.trainer.critic import ValueModel
+from polyrl.core.trainer.experience import Rollout, sampling_params
 from polyrl.core.trainer.schedule import build_scheduler
+from polyrl.core.trainer.state import TrainerState
+from polyrl.core.trainer.update import Learner
 
 
 def build_task(cfg: RunConfig) -> Any:
@@ -62,7 +69,8 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
         raise BadInputError(f"model.tokenizer: cannot load a tokenizer from {source!r} ({exc})") from None
 
 
-def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int) -> torch.nn.Module:
+def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int,
+              backend: Any) -> torch.nn.Module:
     from polyrl.core.models import build_model
 
     try:
@@ -70,6 +78,7 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
             name, vocab_size=vocab_size, attn_implementation=cfg.model.attn_implementation,
             experts_implementation=cfg.model.experts_implementation,
             dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
+            backend=backend,  # the model's attention runs this backend's kernel, whatever the process's is
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None
@@ -104,7 +113,7 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
 
     seed = cfg.trainer.seed
     vocab = vocab_size
-    actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed).to(device)
+    actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend).to(device)
     alg = cfg.algorithm
     ref = None
     if alg.use_kl_in_reward or alg.use_kl_loss:
@@ -113,7 +122,7 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
     if alg.adv_estimator == "gae":
         name = cfg.model.critic_name or cfg.model.name
         overrides = {**cfg.model.overrides, **cfg.model.critic_overrides}
-        critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1)).to(device)
+        critic = ValueModel(_build_lm(name, cfg, vocab, overrides, seed + 1, backend)).to(device)
     actor = apply_sharding(actor, backend, cfg.sharding)
     if ref is not None:
         ref = apply_sharding(ref, backend, cfg.sharding)
@@ -139,23 +148,47 @@ def build_kl_controller(cfg: RunConfig) -> Any:
     return A.FixedKLController(alg.kl_coef)
 
 
-def check_config(cfg: RunConfig) -> None:
-    """Cross-field checks the per-field types cannot express."""
-    alg, ro = cfg.algorithm, cfg.rollout
-    if alg.clip_c is not None and alg.clip_c <= 1.0:
-        raise BadInputError(f"algorithm.clip_c: expected a number > 1 (or null), got {alg.clip_c}")
-    if alg.overlong.enable and not 0 < alg.overlong.buffer_length <= ro.max_response_length:
-        raise BadInputError(
-            f"algorithm.overlong.buffer_length: expected 1..rollout.max_response_length "
-            f"({ro.max_response_length}), got {alg.overlong.buffer_length}"
-        )
-    if ro.temperature <= 0 or not 0 < ro.top_p <= 1:
-        raise BadInputError("rollout: temperature must be > 0 and top_p in (0, 1]")
-    for name, value in (("data.batch_size", cfg.data.batch_size), ("rollout.n", ro.n),
-                        ("algorithm.ppo_epochs", alg.ppo_epochs), ("algorithm.mini_batch_size", alg.mini_batch_size),
-                        ("rollout.max_response_length", ro.max_response_length),
-                        ("trainer.total_steps", cfg.trainer.total_steps)):
-        if value < 1:
-            raise BadInputError(f"{name}: expected an integer >= 1, got {value}")
-    if alg.adv_estimator == "grpo" and ro.n < 2:
-        raise BadInputError("rollout.n: grpo needs at least 2 samples per prompt")
+@dataclasses.dataclass
+class Components:
+    """What ``Trainer.__init__`` builds from the config (:func:`build_components`)."""
+
+    task: Any
+    tokenizer: Any
+    models: Models
+    state: TrainerState
+    engine: Any
+    rollout: Rollout
+    actor: Learner
+    critic: Learner | None
+    fused: Any  # the backend's fused lm_head + log-prob kernel, or None
+    probe: list[list[int]]  # the sync probe's token sequences
+    probe_dtype: str  # whose tolerance the probe uses
+
+
+def build_components(cfg: RunConfig, backend: Any, device: torch.device) -> Components:
+    """Task → tokenizer → models → resumable state → rollout engine → learners, in that order (the seeds drawn
+    while building follow it)."""
+    task = build_task(cfg)
+    tokenizer = build_tokenizer(cfg, task)
+    models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
+    state = TrainerState(cfg.trainer.seed, task, build_kl_controller(cfg), backend.generator)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # Packing needs an attention that splits documents by position_ids; others get padded rows.
+    packed = cfg.model.attn_implementation == "polyrl"
+    max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    sampling = sampling_params(cfg, tokenizer.eos_token_id)
+    engine = build_engine(resolve_engine(cfg.rollout.engine, backend), models.actor, pad_token_id=pad_id,
+                          backend=backend, max_model_len=max_len, sampling=sampling)
+    rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,
+                      task_rng=state.task_rng, device=device)
+    fused = fused_kernel_for(cfg.model.fused_logprobs, models.actor, backend)
+    c = state.counters
+    actor = Learner(models.actor, models.optimizer, state.shuffle_gen, c, packed, pad_id, backend.logprobs, fused)
+    critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, c, packed, pad_id)
+              if models.critic is not None else None)
+    actor_cfg = getattr(models.actor, "config", None)
+    probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)
+    # the bar of the lower precision among the model's dtype and the backend's FSDP compute dtype
+    dtypes = {cfg.model.dtype, backend.sharding_policy().param_dtype}
+    probe_dtype = "float32" if dtypes == {"float32"} else sorted(dtypes - {"float32"})[0]
+    return Components(task, tokenizer, models, state, engine, rollout, actor, critic, fused, probe, probe_dtype)

@@ -1,8 +1,8 @@
 """Everything mutable the loop owns besides models, optimizers and schedulers: the resumable state.
 
 ``TrainerState.state_dict()`` is what a checkpoint stores under "trainer" (plain Python and tensors,
-loadable with ``weights_only=True``): the step, the prompt stream position (the task's rng and counters),
-the sampling generator, the KL controller and the counters the metrics report cumulatively.
+loadable with ``weights_only=True``): the step, the prompt stream position (the task rng and the task's own
+``state_dict``), the sampling and shuffling generators, the KL controller and the non-finite update counters.
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import torch
 
 @dataclasses.dataclass
 class Counters:
-    nonfinite_skipped: int = 0  # updates skipped because loss or grad norm was not finite
+    """Updates skipped because the loss or grad norm was not finite: in all, and in a row (the abort rule)."""
+
+    nonfinite_skipped: int = 0
     nonfinite_in_row: int = 0
-    reward_errors: int = 0
-    reward_timeouts: int = 0
-    groups_filtered: int = 0
-    gen_batches: int = 0
-    overlong_penalized: int = 0
 
 
 class TrainerState:
@@ -38,16 +35,12 @@ class TrainerState:
         self.kl_ctrl = kl_ctrl
         self.counters = Counters()
 
-    def _task_state(self) -> dict[str, Any]:
-        # Tasks keep a group counter and (math) an epoch order/cursor: saved when present.
-        return {k: getattr(self.task, k) for k in ("_next_group", "_cursor", "_order") if hasattr(self.task, k)}
-
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = self.task_rng.getstate()
         return {
             "step": self.step,
             "task_rng": [version, list(internal), gauss],
-            "task": self._task_state(),
+            "task": self.task.state_dict() if hasattr(self.task, "state_dict") else {},
             "sample_gen": self.sample_gen.get_state(),
             "shuffle_gen": self.shuffle_gen.get_state(),
             "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else {},
@@ -58,10 +51,13 @@ class TrainerState:
         self.step = int(state["step"])
         version, internal, gauss = state["task_rng"]
         self.task_rng.setstate((version, tuple(internal), gauss))
-        for k, v in state.get("task", {}).items():
-            setattr(self.task, k, v)
+        if state.get("task") and hasattr(self.task, "load_state_dict"):
+            # polyrl 0.1 checkpoints stored the task's private attributes ("_next_group", ...)
+            self.task.load_state_dict({k.lstrip("_"): v for k, v in state["task"].items()})
         self.sample_gen.set_state(state["sample_gen"])
         self.shuffle_gen.set_state(state["shuffle_gen"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.counters = Counters(**state["counters"])
+        # 0.1 checkpoints also hold five rollout totals that nothing read; only the fields of today are kept
+        fields = {f.name for f in dataclasses.fields(Counters)}
+        self.counters = Counters(**{k: v for k, v in state["counters"].items() if k in fields})

@@ -24,6 +24,7 @@ from polyrl.core.config import RunConfig
 from polyrl.core.distributed.sharding import clip_grad_norm
 from polyrl.core.trainer.batch import SequenceBatch, micro_batches, policy_forward, value_forward
 from polyrl.core.trainer.experience import TrainingAborted
+from polyrl.core.trainer.prepare import UpdateInputs
 
 
 def _mini_batches(batch: SequenceBatch, size: int, gen: torch.Generator) -> list[list[int]]:
@@ -103,12 +104,21 @@ class Learner:
     linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
-def update_actor(
-    cfg: RunConfig, actor: Learner, batch: SequenceBatch, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-    advantages: torch.Tensor,
-) -> dict[str, float]:
+@dataclasses.dataclass
+class UpdateMetrics:
+    """What one step's updates report: ``values`` (``loss/*``, ``actor/*``, ``critic/*``, ``time/update_s``), whether
+    the actor was updated (not during the critic warmup), and how many optimizer steps were skipped as non-finite."""
+
+    values: dict[str, float]
+    actor_updated: bool
+    nonfinite_skipped: int
+
+
+def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs) -> dict[str, float]:
+    """PPO epochs of the policy on ``inputs`` (clipped surrogate, optional KL loss and entropy bonus)."""
     alg = cfg.algorithm
     model = actor.model
+    batch, old_logp, ref_logp, advantages = inputs.batch, inputs.old_logp, inputs.ref_logp, inputs.advantages
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
         logp, ent = policy_forward(
@@ -149,11 +159,11 @@ def update_actor(
     return metrics
 
 
-def update_critic(
-    cfg: RunConfig, learner: Learner, batch: SequenceBatch, old_values: torch.Tensor, returns: torch.Tensor
-) -> dict[str, float]:
+def update_critic(cfg: RunConfig, learner: Learner, inputs: UpdateInputs) -> dict[str, float]:
+    """PPO epochs of the critic towards ``inputs.returns`` (value clipping around ``inputs.values``)."""
     alg = cfg.algorithm
     critic = learner.model
+    batch, old_values, returns = inputs.batch, inputs.values, inputs.returns
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
         values = value_forward(critic, batch, rows, packed=learner.packed, pad_id=learner.pad_id)

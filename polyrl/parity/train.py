@@ -1,11 +1,10 @@
 """The step and recipe levels of ``polyrl parity``: the trainer itself on a backend against the cpu reference.
 
-**step** — one full RL update of each tiny recipe on fixed rollouts. The cpu reference builds a ``Trainer``
-(seeded as the recipe says), collects one batch of experience with it and runs the trainer's own
-``_learn`` on it; the inputs that ``_learn`` hands to ``update_critic`` / ``update_actor`` (the batch, old and
-reference log-probs, values, advantages, returns) are recorded as they pass. A second ``Trainer`` on the
-backend, same seed, so same initial weights (checked), then runs ``update_critic`` and ``update_actor`` on
-those same tensors, moved to its device. Compared: the loss and the pre-clip gradient norm of each update
+**step** — one full RL update of each tiny recipe on fixed rollouts, through the trainer's public stages. The
+cpu reference builds a ``Trainer`` (seeded as the recipe says) and runs ``collect()`` → ``prepare_update()`` →
+``update()``; the ``UpdateInputs`` (the batch, old and reference log-probs, values, advantages, returns) are the
+update's whole input. A second ``Trainer`` on the backend, same seed, so same initial weights (checked), runs
+``update()`` on those same inputs, moved to its device. Compared: the loss and the pre-clip gradient norm of each update
 (relative difference), the per-parameter-tensor update ``theta_after - theta_before`` (relative norm difference
 per tensor; the worst and the median tensor), the update's counters (clip fractions, DAPO's clip-higher
 split ``clipfrac_low`` / ``clipfrac_high``, the critic's ``vf_clipfrac``: absolute difference; skipped
@@ -23,7 +22,6 @@ same way. Bars: :mod:`polyrl.core.tolerances` (``step.*`` and ``recipe.*``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -31,7 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -53,54 +51,8 @@ def _recipe_spec(name: str) -> str:
     return f"recipes/{name}.yaml"
 
 
-@contextlib.contextmanager
-def active_backend(backend: Backend) -> Iterator[None]:
-    """``backend`` is the process's active backend (the attention op dispatches to it) inside the block."""
-    from polyrl.core.plugins import selection
-
-    previous = selection._active
-    selection._active = backend
-    try:
-        yield
-    finally:
-        selection._active = previous
-
-
-@contextlib.contextmanager
-def _record_updates(calls: dict[str, dict[str, Any]]) -> Iterator[None]:
-    """Record what the trainer's ``_learn`` passes to ``update_critic`` / ``update_actor`` and what they return,
-    while the real functions run."""
-    from polyrl.core.trainer import loop
-
-    real_actor, real_critic = loop.update_actor, loop.update_critic
-
-    def actor(cfg, learner, batch, old_logp, ref_logp, advantages):
-        out = real_actor(cfg, learner, batch, old_logp, ref_logp, advantages)
-        calls["actor"] = {"batch": batch, "old_logp": old_logp, "ref_logp": ref_logp, "advantages": advantages,
-                          "metrics": out}
-        return out
-
-    def critic(cfg, learner, batch, old_values, returns):
-        out = real_critic(cfg, learner, batch, old_values, returns)
-        calls["critic"] = {"batch": batch, "old_values": old_values, "returns": returns, "metrics": out}
-        return out
-
-    loop.update_actor, loop.update_critic = actor, critic
-    try:
-        yield
-    finally:
-        loop.update_actor, loop.update_critic = real_actor, real_critic
-
-
 def _snapshot(model: Any) -> dict[str, Any]:
     return {n: p.detach().to("cpu", copy=True).double() for n, p in model.named_parameters()}
-
-
-def _to(batch: Any, device: Any) -> Any:
-    from polyrl.core.trainer.batch import SequenceBatch
-
-    return SequenceBatch(list(batch.prompts), list(batch.responses), list(batch.group_ids),
-                         batch.mask.to(device), batch.rollout_logp.to(device))
 
 
 def update_differences(before_ref: dict, after_ref: dict, before: dict, after: dict) -> list[tuple[str, float]]:
@@ -156,9 +108,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
 
     from polyrl.core.plugins import list_backends
     from polyrl.core.trainer import Trainer
-    from polyrl.core.trainer.experience import collect_experience
-    from polyrl.core.trainer.update import update_actor, update_critic
-    from polyrl.testing.parity import FAIL, NOT_RUN, PASS, ParityRow
+    from polyrl.parity.rows import FAIL, NOT_RUN, PASS, ParityRow
 
     cpu = list_backends()["cpu"]
     for recipe in recipes:
@@ -179,40 +129,27 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
             ok = err is not None and err <= bar  # NaN never passes
             emit(ParityRow("step", f"{_name}: {case}", PASS if ok else FAIL, err, bar, detail, _dtype))
 
-        # 1. the cpu reference: one real trainer step on its own rollout, recording the update's inputs
-        with active_backend(cpu):
-            ref = Trainer(ref_cfg, cpu)
-            exp = collect_experience(ref_cfg, ref.rollout)
-            if exp.batch is None:
-                emit(ParityRow("step", f"{name}: all", NOT_RUN, detail="the reference rollout kept no group",
-                               dtype=run_dtype))
-                continue
-            models = {"actor": ref.models.actor, "critic": ref.models.critic}
-            before_ref = {k: _snapshot(m) for k, m in models.items() if m is not None}
-            calls: dict[str, dict[str, Any]] = {}
-            with _record_updates(calls):
-                ref._learn(exp.batch, exp.scores)  # the trainer's own step: old log-probs, advantages, updates
-            after_ref = {k: _snapshot(m) for k, m in models.items() if m is not None}
-        # 2. the backend: same seed, its own generation (for the rollout counters), then the same update
-        with active_backend(backend):
-            dut = Trainer(cfg, backend)
-            dev = dut.device
-            dmodels = {"actor": dut.models.actor, "critic": dut.models.critic}
-            before = {k: _snapshot(m) for k, m in dmodels.items() if m is not None}
-            dt = getattr(torch, run_dtype)  # the reference's weights rounded to the backend's dtype
-            same_init = all(torch.equal(before[k][n], before_ref[k][n].to(dt).double()) for k in before for n in before[k])
-            own = collect_experience(cfg, dut.rollout)
-            got: dict[str, dict[str, float]] = {}
-            if "critic" in calls:
-                c = calls["critic"]
-                got["critic"] = update_critic(cfg, dut.critic, _to(c["batch"], dev), c["old_values"].to(dev),
-                                              c["returns"].to(dev))
-            if "actor" in calls:
-                a = calls["actor"]
-                got["actor"] = update_actor(cfg, dut.actor, _to(a["batch"], dev), a["old_logp"].to(dev),
-                                            None if a["ref_logp"] is None else a["ref_logp"].to(dev),
-                                            a["advantages"].to(dev))
-            after = {k: _snapshot(m) for k, m in dmodels.items() if m is not None}
+        # 1. the cpu reference: one real trainer step through the public stages, on its own rollout
+        ref = Trainer(ref_cfg, cpu)
+        exp = ref.collect()
+        if exp.batch is None:
+            emit(ParityRow("step", f"{name}: all", NOT_RUN, detail="the reference rollout kept no group",
+                           dtype=run_dtype))
+            continue
+        models = {"actor": ref.models.actor, "critic": ref.models.critic}
+        before_ref = {k: _snapshot(m) for k, m in models.items() if m is not None}
+        inputs = ref.prepare_update(exp)  # old log-probs, advantages, returns: the update's whole input
+        m_ref = ref.update(inputs).values
+        after_ref = {k: _snapshot(m) for k, m in models.items() if m is not None}
+        # 2. the backend: same seed, its own generation (for the rollout counters), then the same update inputs
+        dut = Trainer(cfg, backend)  # its models' attention is bound to ``backend`` when they are built
+        dmodels = {"actor": dut.models.actor, "critic": dut.models.critic}
+        before = {k: _snapshot(m) for k, m in dmodels.items() if m is not None}
+        dt = getattr(torch, run_dtype)  # the reference's weights rounded to the backend's dtype
+        same_init = all(torch.equal(before[k][n], before_ref[k][n].to(dt).double()) for k in before for n in before[k])
+        own = dut.collect()
+        m_got = dut.update(inputs.to(dut.device)).values
+        after = {k: _snapshot(m) for k, m in dmodels.items() if m is not None}
         if not same_init:
             emit(ParityRow("step", f"{name}: initial weights", FAIL,
                            detail="the backend's trainer did not start from the reference's weights", dtype=run_dtype))
@@ -220,9 +157,8 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
         n_seq = exp.batch.size
         # 3. rows: per update (critic first, as the trainer runs them), then the counters
         for model in ("critic", "actor"):
-            if model not in calls:
+            if model not in before_ref or f"{model}/grad_norm" not in m_ref:
                 continue
-            m_ref, m_got = calls[model]["metrics"], got[model]
             loss_key = "loss/value" if model == "critic" else "loss/total"
             row(f"{model} loss", _rel(m_got[loss_key], m_ref[loss_key]), "step.loss",
                 f"{m_got[loss_key]:.6g} vs cpu {m_ref[loss_key]:.6g}")
@@ -234,8 +170,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
             median = statistics.median(d for _, d in diffs)
             row(f"{model} update, worst tensor", worst, "step.update.worst", f"{worst_name} (of {len(diffs)})")
             row(f"{model} update, median tensor", median, "step.update.median", f"over {len(diffs)} tensors")
-        counters = {k: (got[k.split("/")[0]][k], calls[k.split("/")[0]]["metrics"][k])
-                    for k in _UPDATE_COUNTERS if k.split("/")[0] in calls and k in calls[k.split("/")[0]]["metrics"]}
+        counters = {k: (m_got[k], m_ref[k]) for k in _UPDATE_COUNTERS if k in m_ref}
         if counters:
             worst_c = max(abs(g - r) for g, r in counters.values())
             row("update counters (clip fractions)", worst_c, "step.clipfrac",
@@ -247,7 +182,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
             emit(ParityRow("step", f"{name}: rollout counters", FAIL, detail="the backend's rollout kept no group",
                            dtype=run_dtype))
             continue
-        pairs = {k: (getattr(own, k), getattr(exp, k)) for k in _ROLLOUT_COUNTERS}
+        pairs = {k: (getattr(own.counts, k), getattr(exp.counts, k)) for k in _ROLLOUT_COUNTERS}
         same_samples = sum(a == b for a, b in zip(own.batch.responses, exp.batch.responses)) \
             if own.batch.size == exp.batch.size else 0
         worst_r = max(abs(g - r) for g, r in pairs.values()) / n_seq
@@ -314,7 +249,7 @@ def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int =
                   dtype: str | None = None, recipes: Sequence[str] = TINY_RECIPES) -> None:
     """Rows of the recipe level: per tiny recipe, reward MAE, final reward difference, loss MAE."""
     from polyrl.core.tolerances import TOLERANCES
-    from polyrl.testing.parity import FAIL, PASS, ParityRow
+    from polyrl.parity.rows import FAIL, PASS, ParityRow
 
     with tempfile.TemporaryDirectory(prefix="polyrl-parity-") as tmp:
         jobs_list = [(recipe, side, seed) for recipe in recipes for seed in seeds for side in ("backend", "cpu")]

@@ -68,7 +68,7 @@ def plot_recipe_curves(report: dict[str, Any], path: str | Path) -> Path:
 def markdown_summary(report: dict[str, Any]) -> str:
     """One table row per (level, quantity): the worst measured error over the cases of that quantity, its bar
     and how many rows passed — the table docs/parity.md publishes, from a saved report."""
-    from polyrl.testing.parity import LEVELS
+    from polyrl.parity.rows import LEVELS
 
     lines = [f"backend {report.get('origin', report.get('backend'))}"
              f"{' (emulated)' if report.get('emulated') else ''}, policy dtype {report.get('dtype')}", "",
@@ -95,7 +95,7 @@ def markdown_summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m polyrl.testing.parity_plot REPORT.json [OUT.png]
+if __name__ == "__main__":  # python -m polyrl.parity.plot REPORT.json [OUT.png]
     import json
     import sys
 

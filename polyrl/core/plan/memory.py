@@ -15,7 +15,7 @@ fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: its KV cache 
 
 Activation bytes per token and layer are linear in the architecture's dimensions; the coefficients below were
 measured on the CPU (saved-tensor hooks over one decoder layer, bf16 and fp32, several widths; the test
-``tests/run/test_plan.py`` re-measures one). Everything else is exact arithmetic on shapes. The plan is a
+``tests/plan/test_plan.py`` re-measures one). Everything else is exact arithmetic on shapes. The plan is a
 model, not a measurement: peaks from allocator fragmentation and temporaries are covered by ``HEADROOM``.
 """
 

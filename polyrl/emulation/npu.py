@@ -520,7 +520,7 @@ class NpuEmulator:
                            **extra})
 
     def _build_module(self) -> types.ModuleType:
-        mod = types.ModuleType("torch_npu", "Emulated torch_npu (polyrl.testing.npu_emulator): not an NPU.")
+        mod = types.ModuleType("torch_npu", "Emulated torch_npu (polyrl.emulation.npu): not an NPU.")
         mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", loader=None)
         mod.__version__ = self.version
         mod.__polyrl_emulator__ = self
@@ -576,7 +576,7 @@ def emulated_ascend_backend():
     class EmulatedAscendBackend(AscendBackend):
         def detect(self) -> Availability:
             if "torch_npu" not in sys.modules or not hasattr(sys.modules["torch_npu"], "__polyrl_emulator__"):
-                return Availability(False, "the torch_npu emulator is not installed (polyrl.testing.npu_emulator)")
+                return Availability(False, "the torch_npu emulator is not installed (polyrl.emulation.npu)")
             return Availability(True, "emulated torch_npu on CPU (not an NPU)")
 
         def device(self, local_rank: int = 0) -> torch.device:

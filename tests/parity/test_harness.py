@@ -12,8 +12,8 @@ from planted_backends import WrongScaleBackend
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.plugins import ShardingPolicy
 from polyrl.core.tolerances import tolerance
+from polyrl.parity import FAIL, NOT_RUN, PASS, run_parity
 from polyrl.testing.conformance import ATTENTION_CASES
-from polyrl.testing.parity import FAIL, NOT_RUN, PASS, run_parity
 
 
 class Bf16PolicyBackend(CpuBackend):

@@ -10,9 +10,9 @@ import torch
 
 from polyrl.cli import main as polyrl_main
 from polyrl.core.config import load_config
+from polyrl.core.plan import activation_bytes_per_token, count_parameters, plan_memory
 from polyrl.core.plugins.registry import get_registry
 from polyrl.core.plugins.selection import reset_active_backend
-from polyrl.core.run.plan import activation_bytes_per_token, count_parameters, plan_memory
 from polyrl.core.tolerances import MEMORY_PLAN_ACTIVATIONS_RTOL
 
 

@@ -6,7 +6,7 @@ exactly as the kit judges them; ``model`` — per-token logprobs of the tiny GPT
 packed, against the cpu backend's fp32 model; ``step`` — one RL update of each tiny recipe on fixed rollouts
 against the same update on the cpu backend; ``recipe`` — N steps of each tiny recipe through ``polyrl run``,
 several seeds, seed-averaged reward and loss curves against the cpu backend's (both:
-:mod:`polyrl.testing.train_parity`).
+:mod:`polyrl.parity.train`).
 
 The dtype is the backend's own policy (``sharding_policy().param_dtype``: float32 for cpu, bfloat16 for the
 accelerators), unless the caller names one; every row states it. Every row carries the measured error next
@@ -16,39 +16,13 @@ never ``pass``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from polyrl.core.plugins import Backend
+from polyrl.parity.rows import FAIL, LEVELS, NOT_RUN, PASS, REFERENCES, OnRow, ParityRow
 
-LEVELS = ("op", "model", "step", "recipe")
-PASS, FAIL, NOT_RUN = "pass", "fail", "not run"
-# What each level's rows are compared against (printed by `polyrl parity` above the rows).
-REFERENCES: dict[str, str] = {
-    "op": "the fp64 dense oracle, on the same inputs rounded to {dtype} (the conformance kit's cases and bars)",
-    "model": "the cpu backend's float32 model on the same weights and tokens",
-    "step": "one update of each tiny recipe on the cpu backend (float32), same rollout, advantages and seeds",
-    "recipe": "`polyrl run` of each tiny recipe on the cpu backend (float32), same seeds, seed-averaged curves",
-}
-OnRow = Callable[["ParityRow"], None]
-
-
-@dataclasses.dataclass
-class ParityRow:
-    level: str
-    case: str
-    status: str
-    error: float | None = None
-    bar: float | None = None
-    detail: str = ""
-    dtype: str = ""
-    extra: dict = dataclasses.field(default_factory=dict)  # level-specific data (the recipe level's curves)
-
-    def as_dict(self) -> dict[str, object]:
-        out = dataclasses.asdict(self)
-        if not out["extra"]:
-            del out["extra"]
-        return out
+__all__ = ["FAIL", "LEVELS", "NOT_RUN", "PASS", "REFERENCES", "OnRow", "ParityRow", "backend_dtype", "level_summary",
+           "model_parity", "op_parity", "parity_report", "run_parity"]
 
 
 def backend_dtype(backend: Backend) -> str:
@@ -91,10 +65,10 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
     import torch
 
     from polyrl.core import algorithms as A
+    from polyrl.core.attention.hf import bind_backend
     from polyrl.core.models import build_model
     from polyrl.core.plugins import list_backends
     from polyrl.core.tolerances import TOLERANCES, check_close
-    from polyrl.testing.train_parity import active_backend
 
     rows: list[ParityRow] = []
     emit = _emitter(rows, on_row)
@@ -102,15 +76,16 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
     positions = torch.cat([torch.arange(n) for n in doc_lens])[None]
     cpu = list_backends()["cpu"]
     for preset in ("gpt_oss_tiny", "deepseek_v3_tiny"):
-        model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32,
+        model = build_model(preset, vocab_size=32, seed=0, dtype=torch.float32, backend=cpu,
                             overrides={"sliding_window": 4} if preset.startswith("gpt_oss") else None)
         ids = torch.randint(0, 32, (1, sum(doc_lens)), generator=torch.Generator().manual_seed(1))
         labels = ids[:, 1:]
-        with active_backend(cpu), torch.no_grad():
+        with torch.no_grad():
             ref = A.logprobs_from_logits(model(input_ids=ids, position_ids=positions).logits[:, :-1], labels)
         dev = backend.device(0)
         dut_model = model.to(dev, getattr(torch, dtype))
-        with active_backend(backend), torch.no_grad():
+        bind_backend(dut_model, backend)  # the same weights, now on the backend under test
+        with torch.no_grad():
             logits = dut_model(input_ids=ids.to(dev), position_ids=positions.to(dev)).logits[:, :-1]
             got = A.logprobs_from_logits(logits, labels.to(dev)).float().cpu()
         key = ("model.logprobs", dtype)
@@ -133,7 +108,7 @@ def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | 
     recipe level's run length and seeds; ``emulate``: the backend runs through its emulator (``--emulate``),
     passed on to the recipe level's ``polyrl run``; ``jobs``: recipe-level runs at a time; ``recipes``: the
     step and recipe levels' recipes (default: both tiny recipes)."""
-    from polyrl.testing import train_parity as T
+    from polyrl.parity import train as T
 
     explicit = dtype
     dtype = dtype or backend_dtype(backend)

@@ -1,0 +1,84 @@
+"""From experience to what the update consumes: token rewards, KL in the reward, advantages, returns.
+
+``prepare_update`` is a pure function of the :class:`~polyrl.core.trainer.experience.Experience` and the
+algorithm's settings: it runs no model and changes no state (the adaptive KL controller is *read*; the trainer
+updates it with the KL this returns). Under ``--nproc`` its statistics (advantage whitening, metric means)
+are those of the global batch, so it is collective, and every rank calls it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from polyrl.core import algorithms as A
+from polyrl.core import distributed as D
+from polyrl.core.config import AlgorithmConfig
+from polyrl.core.trainer.batch import SequenceBatch
+from polyrl.core.trainer.experience import Experience
+
+
+@dataclasses.dataclass
+class UpdateInputs:
+    """Everything ``Trainer.update`` needs, as tensors on the batch's device ([B, R] token-level, 0/1 ``batch.mask``)."""
+
+    batch: SequenceBatch
+    old_logp: torch.Tensor  # the behaviour policy's log-probs as the trainer computes them (ratio denominators)
+    advantages: torch.Tensor
+    ref_logp: torch.Tensor | None = None  # for the KL loss (algorithm.use_kl_loss)
+    values: torch.Tensor | None = None  # the critic before the update (value clipping), with returns: GAE only
+    returns: torch.Tensor | None = None
+    reward_kl: float | None = None  # the batch's KL for the adaptive controller (KL in the reward only)
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def to(self, device: torch.device | str) -> UpdateInputs:
+        """The same inputs on ``device`` (step parity hands the reference's inputs to another backend)."""
+        b = self.batch
+        moved = SequenceBatch(list(b.prompts), list(b.responses), list(b.group_ids), b.mask.to(device),
+                              b.rollout_logp.to(device))
+        tensors = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, batch=moved, **{k: v.to(device) for k, v in tensors.items()})
+
+
+def global_mean(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """Masked mean over the tokens of every rank (sum and count all-reduced in fp64): under ``--nproc`` the
+    ranks hold different token counts, so an average of per-rank means would not be the batch's mean."""
+    m = mask.to(torch.float64)
+    stats = D.all_reduce_(torch.stack([(values.detach().to(torch.float64) * m).sum(), m.sum()]))
+    total, count = stats.tolist()
+    return total / max(count, 1.0)
+
+
+def prepare_update(alg: AlgorithmConfig, exp: Experience, *, kl_ctrl: Any = None) -> UpdateInputs:
+    """Token rewards (the sequence score on its last token, minus β·KL when the KL is in the reward) and
+    advantages: GAE with the critic's values (whitened over the global batch), or the group-relative
+    (GRPO / DAPO) advantage broadcast over the response. ``exp`` must carry ``old_logp`` (and ``ref_logp`` /
+    ``values`` where the algorithm uses them)."""
+    batch = exp.batch
+    if batch is None or exp.old_logp is None:
+        raise ValueError("prepare_update needs an experience with a batch and its old log-probs (Trainer.collect)")
+    mask = batch.mask
+    metrics: dict[str, float] = {}
+    token_rewards = A.last_token_rewards(exp.scores, mask)
+    reward_kl = None
+    if alg.use_kl_in_reward and exp.ref_logp is not None:
+        token_rewards, kl_m = A.compute_kl_in_reward(token_rewards, exp.old_logp, exp.ref_logp, mask, kl_ctrl,
+                                                     alg.kl_kind, update=False)
+        reward_kl = kl_m["kl"]
+        metrics["kl/reward_kl"], metrics["kl/coef"] = kl_m["kl"], kl_m["kl_coef"]
+    returns = None
+    if alg.adv_estimator == "gae":
+        # whitening statistics are those of the global batch, not of this rank's share
+        advantages, returns = A.gae_advantages(token_rewards, exp.values, mask, alg.gamma, alg.lam, whiten=False)
+        advantages = A.masked_whiten(advantages, mask, reduce_sum=D.all_reduce_ if D.is_distributed() else None)
+    else:
+        seq = A.sequence_scores(token_rewards, mask)
+        advantages = A.broadcast_to_tokens(A.group_advantages(seq, batch.group_ids, norm_by_std=alg.norm_adv_by_std),
+                                           mask)
+    metrics["advantages/mean"] = global_mean(advantages, mask)
+    metrics["advantages/abs_mean"] = global_mean(advantages.abs(), mask)
+    return UpdateInputs(batch, exp.old_logp, advantages, ref_logp=exp.ref_logp, values=exp.values, returns=returns,
+                        reward_kl=reward_kl, metrics=metrics)
