@@ -94,7 +94,7 @@ class EmulatedHcclProcessGroup(dist.ProcessGroup):
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:  # torch's method name
         return BACKEND_NAME
 
     # --- reductions: HCCL's dtype and reduce-op checks ----------------------------------------------------
