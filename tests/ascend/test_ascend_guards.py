@@ -184,5 +184,6 @@ def test_cpu_mode_is_the_real_backend_on_the_host(monkeypatch):
     assert not backend.detect().available  # no stand-in importable
     with install_emulator():
         assert backend.detect().available and "not an NPU" in backend.detect().reason
-        assert (backend.device_type, backend.collective_backend, backend.device(3)) == ("cpu", "gloo",
+        # gloo behind HCCL's rules (polyrl.emulation.hccl)
+        assert (backend.device_type, backend.collective_backend, backend.device(3)) == ("cpu", "hccl_emulated",
                                                                                           torch.device("cpu"))
