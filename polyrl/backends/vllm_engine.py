@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import re
 import shutil
@@ -167,10 +168,8 @@ class VllmEngine:
             raise BadInputError(settings.refused_models[self.model_type])
         window = getattr(config, "sliding_window", None)
         self.window = int(window) if window else None  # keys per query on sliding layers (the query included)
-        # the engine's own sliding_window, where its kernels read the value with another convention
-        self._hf_overrides = ({"sliding_window": self.window + settings.sliding_window_offset}
-                              if self.window and settings.sliding_window_offset else {})
         self.weight_loader = settings.weight_loader  # "auto" until the first in-place sync finds out
+        self.in_place_failure = ""  # why in-place syncs stopped (then every sync rebuilds); "" while they work
         # + 1: ``score`` asks vLLM for one generated token after a sequence of up to max_model_len tokens
         self.max_model_len = int(max_model_len or min(getattr(config, "max_position_embeddings", 4096), 4096)) + 1
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -217,8 +216,9 @@ class VllmEngine:
         if self.settings.sleep_level > 0:
             self._check_sleep_env()
             kwargs["enable_sleep_mode"] = True
-        if self._hf_overrides:
-            kwargs["hf_overrides"] = dict(self._hf_overrides)
+        if self.window and self.settings.sliding_window_offset:
+            # the engine's own sliding_window, for kernels that read the value with another convention
+            kwargs["hf_overrides"] = {"sliding_window": self.window + self.settings.sliding_window_offset}
         kwargs.update(self.settings.llm_kwargs)
         self._llm = LLM(**kwargs)
         self._asleep = False
@@ -314,12 +314,22 @@ class VllmEngine:
     def sync_weights(self, model: Any) -> None:
         """The trainer's current weights into the engine: in place, bucket by bucket, or by a rebuild where the
         backend says in-place loading is incomplete for this model."""
-        if not self.settings.in_place_sync or self.model_type in self.settings.stale_in_place:
+        if (not self.settings.in_place_sync or self.model_type in self.settings.stale_in_place
+                or self.in_place_failure):
             self.rebuild(model)
             return
         self.wake_up()
-        for bucket in buckets(full_tensors(model), self.settings.bucket_bytes):
-            self._load(bucket)
+        try:
+            for bucket in buckets(full_tensors(model), self.settings.bucket_bytes):
+                self._load(bucket)
+        except Exception as exc:  # the build's loader refuses the live model: the same on every rank (same code)
+            from polyrl.core.plugins.backend import one_line
+
+            self.in_place_failure = f"{self.weight_loader}: {one_line(exc)}"
+            logging.getLogger(__name__).warning("vllm engine: in-place weight sync failed (%s); rebuilding from an "
+                                                "export at every sync from now on", self.in_place_failure)
+            self.rebuild(model)
+            return
         self._llm.reset_prefix_cache()
 
     def _load(self, bucket: list[tuple[str, Any]]) -> None:

@@ -15,6 +15,7 @@ from polyrl.backends.ascend import attention as npu_attention
 from polyrl.backends.ascend.attention import SINK_ENV, detect_sink_mode, split_calls
 from polyrl.backends.ascend.chip import SOC_ENV
 from polyrl.core.attention import varlen_attention
+from polyrl.core.config.schema import ShardingConfig
 from polyrl.core.errors import BadInputError
 from polyrl.core.tolerances import check_close
 from polyrl.emulation import npu as npu_emulator
@@ -167,11 +168,11 @@ def test_fsdp2_methods_are_feature_detected(monkeypatch, method):
     from polyrl.backends.cpu import CpuBackend
     from polyrl.core.distributed.sharding import check_sharding
 
-    check_sharding(CpuBackend(), 2, None)
+    check_sharding(CpuBackend(), 2, ShardingConfig())
     monkeypatch.delattr(FSDPModule, method)
     with pytest.raises(BadInputError, match=f"FSDP2 has no {method}.*--nproc 1"):
-        check_sharding(CpuBackend(), 2, None)
-    check_sharding(CpuBackend(), 1, None)  # a single process does not shard
+        check_sharding(CpuBackend(), 2, ShardingConfig())
+    check_sharding(CpuBackend(), 1, ShardingConfig())  # a single process does not shard
 
 
 # --- CPU mode ----------------------------------------------------------------------------------------

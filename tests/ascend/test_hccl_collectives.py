@@ -44,7 +44,7 @@ def test_hccl_refuses_float64_bool_and_avg_with_its_own_words() -> None:
         hccl.check_dtype(torch.zeros(1, dtype=torch.float64), "allreduce")
     with pytest.raises(RuntimeError, match=r"^HCCL _reduce_scatter_base: Unsupported data type at::kByte/at::kBool"):
         hccl.check_dtype(torch.zeros(1, dtype=torch.bool), "_reduce_scatter_base")
-    with pytest.raises(RuntimeError, match="^Unsupported data type for HCCL process group"):
+    with pytest.raises(RuntimeError, match=r"^Unsupported data type for HCCL process group"):
         hccl.check_dtype(torch.zeros(1, dtype=torch.complex64), "allreduce")
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int8):
         hccl.check_dtype(torch.zeros(1, dtype=dtype), "allreduce")
