@@ -141,7 +141,7 @@ def test_ascend_950_takes_the_lse_route_and_forcing_native_there_is_wrong(monkey
     monkeypatch.delenv(SINK_ENV, raising=False)
     inputs, cu, s, d_out = _case([4, 5], hq=4, hkv=2)
     expected = _run("cpu", inputs, cu, s, d_out)
-    with install_emulator("2.9.0", soc_version="Ascend950PR") as emu:
+    with install_emulator("2.9.0.post2", soc_version="Ascend950PR") as emu:  # op-plugin 26.0.0: its 950 path
         mode, reason = detect_sink_mode(emu.module)
         assert mode == "lse" and "950" in reason
         assert _all_close(_run(emulated_ascend_backend(), inputs, cu, s, d_out), expected)

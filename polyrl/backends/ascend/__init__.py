@@ -11,7 +11,8 @@ same backend code with the host as its device and, as its collective library, gl
 its error text), so that whole recipes run
 against any stand-in module ``torch_npu`` (the packaged emulator, polyrl.emulation.npu). The backend is
 then available whenever a module ``torch_npu`` is importable or already in ``sys.modules``, and of that module
-it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``__version__`` and, where present,
+it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``npu_grouped_matmul`` (MoE experts,
+polyrl.backends.ascend.experts), ``__version__`` and, where present,
 ``npu.utils.get_cann_version`` and ``npu.get_device_name`` (the chip, polyrl.backends.ascend.chip). Nothing in
 CPU mode says anything about an NPU: it proves the backend's code paths against the documented API.
 """
@@ -57,6 +58,8 @@ class AscendBackend(Backend):
     # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
+    # MoE experts through npu_grouped_matmul (op-plugin has no torch._grouped_mm for the NPU, transformers' default)
+    experts_kernel = "polyrl.backends.ascend.experts:npu_experts"
     # vllm-ascend preferred (rollout.engine: auto) where installed; the hf engine otherwise. Never run here (no
     # NPU); its settings per release: polyrl.backends.ascend.rollout (sleep-mode allocator, weight sync without
     # reload_weights before 0.24, GPT-OSS sinks from 0.15, its sliding-window convention).

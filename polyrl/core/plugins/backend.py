@@ -4,8 +4,8 @@ A backend is a small class, registered through the ``polyrl_register_backends`` 
 construct and must not touch a device in ``__init__`` or ``detect``: detection reads what is installed
 and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
-Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel`` and
-``linear_logprobs_kernel`` are ``"module:function"`` paths, imported on a backend object's first call of that
+Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel``,
+``linear_logprobs_kernel`` and ``experts_kernel`` are ``"module:function"`` paths, imported on a backend object's first call of that
 kernel and kept on the object (``Backend.kernel``), so vendor modules load only when a kernel runs and never again
 per call. A slot left at its default runs the reference implementation in core. ``provided_kernels()`` is derived
 from the slots — a kernel is provided when its slot names another function than the reference (or the method is
@@ -32,13 +32,14 @@ if TYPE_CHECKING:
 
 # The kernels a backend may provide, the class attribute naming each, and the reference implementation in core
 # that runs when the slot is left at its default.
-KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs")
+KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs", "experts")
 KERNEL_SLOTS: dict[str, str] = {"varlen_attention": "attention_kernel", "logprobs": "logprobs_kernel",
-                                "linear_logprobs": "linear_logprobs_kernel"}
+                                "linear_logprobs": "linear_logprobs_kernel", "experts": "experts_kernel"}
 REFERENCE_KERNELS: dict[str, str] = {
     "varlen_attention": "polyrl.core.attention.reference:reference_varlen_attention",
     "logprobs": "polyrl.core.algorithms.logprobs:logprobs_and_entropy",
     "linear_logprobs": "polyrl.core.algorithms.linear_logprobs:linear_logprobs_and_entropy",
+    "experts": "polyrl.core.models.experts:reference_experts",
 }
 
 # The capability vocabulary (docs/plugins.md): what each name in ``Backend.capabilities`` promises. Names outside
@@ -202,6 +203,9 @@ class Backend:
     # "module:function" of the fused lm_head + log-prob + entropy kernel, with the signature of
     # polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy (the default: that chunked reference).
     linear_logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["linear_logprobs"]
+    # "module:function" of the MoE experts kernel, with the signature of
+    # polyrl.core.models.experts.reference_experts (the default: transformers' grouped_mm path, torch._grouped_mm).
+    experts_kernel: ClassVar[str] = REFERENCE_KERNELS["experts"]
 
     # Memory of one device in GiB by device model, for the dry-run memory plan (read without the hardware; the
     # first entry is the model assumed when none is named). ``polyrl run --dry-run --device-memory GIB`` overrides.
@@ -284,6 +288,14 @@ class Backend:
         polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy). Runs ``linear_logprobs_kernel``."""
         return self.kernel("linear_logprobs")(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
                                               temperature=temperature, compute_entropy=compute_entropy)
+
+    def experts(self, module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A transformers MoE experts module's forward (``module``: GptOssExperts, DeepseekV3NaiveMoe, ... with
+        its fused 3-D expert weights) on hidden_states [T, H] routed by top_k_index / top_k_weights [T, k] ->
+        [T, H] (contract: polyrl.core.models.experts). Runs ``experts_kernel``; a model built by polyrl reaches it
+        through transformers' experts implementation ``"polyrl"``."""
+        return self.kernel("experts")(module, hidden_states, top_k_index, top_k_weights)
 
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:
