@@ -11,7 +11,8 @@ gradients (same), Adam(W)'s two states (same dtype as the parameters: torch keep
 the gathered layers (FSDP2 holds the root unit — embeddings, LM head — and two decoder layers unsharded in
 the backend's compute dtype while they run), the reference model (KL) and the critic (GAE), activations
 saved for backward at the token budget of one micro-batch, the log-prob path (full [T, V] logits, or the
-fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: its KV cache and its prefill logits.
+fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: the hf engine's KV cache and prefill logits,
+or an engine with its own weights and share of the device (vLLM, polyrl.core.plan.rollout).
 
 Activation bytes per token and layer are linear in the architecture's dimensions; the coefficients below were
 measured on the CPU (saved-tensor hooks over one decoder layer, bf16 and fp32, several widths; the test
@@ -28,6 +29,7 @@ from typing import Any
 
 from polyrl.core.config import RunConfig
 from polyrl.core.errors import BadInputError
+from polyrl.core.plan.rollout import planned_engine, vllm_plan
 
 GIB = 2**30
 # Fraction of a device's memory the plan lets a run use: the rest is the runtime's context, the collective
@@ -174,6 +176,8 @@ class MemoryPlan:
     rows: dict[str, float]  # item -> GiB per device
     phases: dict[str, float]  # phase -> GiB per device at its peak
     notes: list[str]
+    # why the rollout engine cannot start whatever the rest holds (vLLM: its own weights overflow its share)
+    engine_problem: str = ""
 
     @property
     def peak_gib(self) -> float:
@@ -185,7 +189,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak_gib <= self.usable_gib
+        return self.peak_gib <= self.usable_gib and not self.engine_problem
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -209,11 +213,15 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  peak {self.peak_gib:.2f} GiB of {self.usable_gib:.2f} GiB usable "
                      f"({HEADROOM:.0%} of {self.device_memory_gib:g}): {verdict}")
+        if self.engine_problem:
+            lines.append(f"  rollout engine does NOT fit: {self.engine_problem}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def advice(self) -> str:
         """One line: what to change so that the placement fits."""
+        if self.engine_problem and self.peak_gib <= self.usable_gib:
+            return f"memory plan: {self.engine_problem}"
         need = self.peak_gib
         # Sharded state shrinks with the world size; what does not (activations, gathered layers, rollout) stays.
         state = sum(self.rows[k] for k in _SHARDED if k in self.rows) if self.sharded or self.world_size == 1 else 0.0
@@ -353,33 +361,48 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         crit_act = (len(crit) * critic_cfg.hidden_size * c + max(crit)) if ckpt else sum(crit)
         rows["critic activations"] = crit_act * tokens / GIB
 
-    # --- the rollout: KV cache and logits of the sequences generated together on this device ---
-    per_device = math.ceil(data.batch_size / world) * ro.n
-    together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
-    kv = 0.0
-    for kind, per_token in kv_cache_bytes_per_token(config, c):
-        held = min(longest, config.sliding_window) if kind == "sliding" and getattr(config, "sliding_window", None) else longest
-        kv += together * held * per_token
-    rows["rollout KV cache"] = kv / GIB
-    rows["rollout prefill logits"] = together * (data.max_prompt_length * V * c + 3 * V * 4) / GIB
-    notes.append(f"rollout: {together} sequences generated together per device "
-                 f"({per_device} per step; rollout.micro_batch_size bounds it)")
-
+    # --- the rollout: the hf engine's KV cache and logits of the sequences generated together on this device, or an
+    # engine with its own weights (polyrl.core.plan.rollout) ---
     static = state_total / GIB
+    engine = planned_engine(cfg, backend)
+    vllm = None
+    if engine == "vllm":
+        vllm = vllm_plan(cfg, backend, params=actor.total, dtype_bytes=s, capacity_gib=capacity,
+                         kv_bytes_per_token=kv_cache_bytes_per_token(config, s),
+                         window=getattr(config, "sliding_window", None), longest=longest)
+        rows.update(vllm.rows)
+        notes.append(vllm.note + ("" if cfg.rollout.engine == "vllm" else " (rollout.engine=auto: the backend's "
+                                                                          "first engine, where it is installed)"))
+        # the trainer's gathered layers and gradients are freed while the engine generates
+        rollout_peak = static - rows["gradients"] * (not offload) + vllm.awake_gib
+    else:
+        per_device = math.ceil(data.batch_size / world) * ro.n
+        together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
+        kv = 0.0
+        for kind, per_token in kv_cache_bytes_per_token(config, c):
+            held = min(longest, config.sliding_window) if kind == "sliding" and getattr(config, "sliding_window", None) else longest
+            kv += together * held * per_token
+        rows["rollout KV cache"] = kv / GIB
+        rows["rollout prefill logits"] = together * (data.max_prompt_length * V * c + 3 * V * 4) / GIB
+        notes.append(f"rollout: {together} sequences generated together per device "
+                     f"({per_device} per step; rollout.micro_batch_size bounds it)")
+        rollout_peak = (static + rows["gathered layers (FSDP2)"] - rows["gradients"] * (not offload)
+                        + rows["rollout KV cache"] + rows["rollout prefill logits"])
+    asleep = vllm.asleep_gib if vllm is not None else 0.0
     phases = {
-        "rollout": static + rows["gathered layers (FSDP2)"] - rows["gradients"] * (not offload)
-        + rows["rollout KV cache"] + rows["rollout prefill logits"],
+        "rollout": rollout_peak,
         "update": static + rows["gathered layers (FSDP2)"] + rows["activations (one micro-batch)"]
-        + rows["log-prob path (logits)"],
+        + rows["log-prob path (logits)"] + asleep,
     }
     # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq)
-    phases["optimizer step"] = static + rows["parameters"]
+    phases["optimizer step"] = static + rows["parameters"] + asleep
     if critic_cfg is not None:
-        phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"]
+        phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"] + asleep
     return MemoryPlan(
         backend=backend.name, device=device, device_memory_gib=capacity, nproc=nproc, nnodes=nnodes,
         world_size=world, sharded=sharded,
         architecture=f"{config.model_type}, {actor.layers} layers, vocab {V}"
         + (", activation checkpointing" if ckpt else ""),
         attention=attention, logprob_path=logprob_path, params=params, rows=rows, phases=phases, notes=notes,
+        engine_problem=vllm.problem if vllm is not None else "",
     )
