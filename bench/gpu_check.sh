@@ -35,7 +35,14 @@ step() {  # step NAME CMD...: run, tee the log, record the exit code and the wal
   status+=("$name rc=$rc $((SECONDS - t0))s")
 }
 
-if ! $PY -c "import polyrl" 2>/dev/null; then
+# Installed from this tree (its entry points are how the backends are found; `import polyrl` alone succeeds from
+# the repository root without them): install when the distribution is absent or another tree's.
+if ! $PY - 2>/dev/null <<'EOF'; then
+import importlib.metadata as m, pathlib, polyrl, sys
+d = m.distribution("polyrl")
+sys.exit(0 if pathlib.Path(polyrl.__file__).resolve().is_relative_to(pathlib.Path.cwd().resolve())
+         and d.entry_points.select(group="polyrl.backends") else 1)
+EOF
   $PY -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 fi
 $PY - <<'EOF' | tee "$OUT/versions.txt"

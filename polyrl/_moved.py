@@ -25,6 +25,9 @@ MOVED: dict[str, tuple[str, str, str]] = {
     "polyrl.testing.emulation": ("polyrl.emulation", "polyrl.emulation", "0.3.0"),
     "polyrl.testing.npu_emulator": ("polyrl.emulation.npu", "polyrl.emulation.npu", "0.3.0"),
     "polyrl.core.run.plan": ("polyrl.core.plan.memory", "polyrl.core.plan", "0.3.0"),
+    # Moved in 0.1.x without an alias; back as aliases in 0.2.0 so that plugins written against them load.
+    "polyrl.core.backend": ("polyrl.core.plugins.backend", "polyrl.plugins", "0.3.0"),
+    "polyrl.core.hookspecs": ("polyrl.core.plugins.hookspecs", "polyrl.plugins", "0.3.0"),
 }
 
 

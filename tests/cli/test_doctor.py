@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 
 from polyrl.backends.ascend import compat as ascend_compat
 from polyrl.backends.cpu import compat as cpu_compat
@@ -146,7 +147,7 @@ def test_doctor_json_reports_this_machine():
     import torch
 
     assert by_name["cpu"]["components"]["torch"] == torch.__version__
-    assert (by_name["cpu"]["distribution"], by_name["cpu"]["version"]) == ("polyrl", "0.1.0")
+    assert (by_name["cpu"]["distribution"], by_name["cpu"]["version"]) == ("polyrl", metadata.version("polyrl"))
     # Each backend reports its own components and facts; no vendor's appear under another.
     assert "cann" in by_name["ascend"]["components"] and "cann" not in by_name["cuda"]["components"]
     assert "triton" in by_name["cuda"]["components"] and "triton" not in by_name["cpu"]["components"]

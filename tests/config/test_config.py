@@ -120,6 +120,17 @@ def test_unknown_key_and_wrong_type_in_a_file(tmp_path: Path) -> None:
         load_config(_write(tmp_path / "b.yaml", {"data": {"batch_size": "many"}}))
 
 
+def test_a_removed_key_is_refused_like_any_unknown_key(tmp_path: Path, capsys) -> None:
+    # data.shuffle was documented but never read; it left the schema in 0.2.0. A recipe that still sets it gets
+    # the unknown-key message (one line, exit 2), not a traceback and not a silent pass.
+    from polyrl.cli import main as polyrl_main
+
+    recipe = _write(tmp_path / "old.yaml", {"extends": "gpt_oss_dapo_tiny.yaml", "data": {"shuffle": False}})
+    assert polyrl_main(["run", str(recipe), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown key 'data.shuffle'" in err[0] and "known keys of data: " in err[0]
+
+
 def test_missing_recipe_and_yaml_syntax(tmp_path: Path) -> None:
     with pytest.raises(BadInputError, match=r"recipe not found: 'nope\.yaml'"):
         load_config("nope.yaml")

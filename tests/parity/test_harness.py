@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 
 from planted_backends import WrongScaleBackend
 
@@ -55,6 +56,13 @@ def test_a_buggy_backend_fails_op_parity_on_sink_cases_naming_the_symptom():
     assert all(r.detail.startswith("output differs") for r in failed if r.case.endswith(": out"))
 
 
+def test_model_level_runs_each_model_on_its_own_backend():
+    """The cpu reference and the backend under test share weights in one process: each side must run its own
+    attention, so the planted sink bug fails GPT-OSS (sinks) and leaves DeepSeek-V3 (none) passing."""
+    rows = {r.case: r.status for r in run_parity(WrongScaleBackend(), ("model",))}
+    assert rows == {"gpt_oss_tiny packed logprobs": FAIL, "deepseek_v3_tiny packed logprobs": PASS}
+
+
 def test_cli_unavailable_backend_is_not_run_and_exits_1():
     proc = subprocess.run([sys.executable, "-m", "polyrl", "parity", "--backend", "cuda", "--json"],
                           capture_output=True, text=True)
@@ -83,7 +91,7 @@ def test_cli_states_the_dtype_and_references_and_prints_bars_to_two_digits(capsy
     rc = polyrl_main(["parity", "--backend", "cpu", "--level", "op", "--level", "model", "--dtype", "bfloat16"])
     out = capsys.readouterr().out.splitlines()
     assert rc == 0
-    assert out[0] == "parity of backend cpu (polyrl 0.1.0) in bfloat16 (given by --dtype)"
+    assert out[0] == f"parity of backend cpu (polyrl {metadata.version('polyrl')}) in bfloat16 (given by --dtype)"
     assert out[1].split()[:3] == ["op", "compared", "against"] and "rounded to bfloat16" in out[1]
     assert out[2].split()[:4] == ["model", "compared", "against", "the"] and "float32 model" in out[2]
     first = out[3]

@@ -158,14 +158,14 @@ def test_activation_model_matches_saved_tensors_on_cpu(preset, overrides, kind):
 def test_activation_checkpointing_keeps_fewer_saved_tensors():
     """trainer.activation_checkpointing really recomputes layers (fewer bytes saved in forward), as the plan
     assumes; same numbers either way is checked by the run (identical metrics, tiny PPO recipe)."""
-    from polyrl.core.plugins.selection import set_active_backend
+    from polyrl.core.plugins import list_backends
     from polyrl.core.trainer.setup import _build_lm
 
-    set_active_backend("cpu")
+    cpu = list_backends()["cpu"]  # the model is bound to the backend it is built for
     cfg = load_config("gpt_oss_dapo_tiny")
-    plain = _build_lm("gpt_oss_tiny", cfg, None, {}, 0).train()
+    plain = _build_lm("gpt_oss_tiny", cfg, None, {}, 0, cpu).train()
     cfg.trainer.activation_checkpointing = True
-    ckpt = _build_lm("gpt_oss_tiny", cfg, None, {}, 0).train()
+    ckpt = _build_lm("gpt_oss_tiny", cfg, None, {}, 0, cpu).train()
     assert ckpt.is_gradient_checkpointing and not plain.is_gradient_checkpointing
     assert _saved_bytes_per_token(ckpt, 64) < 0.5 * _saved_bytes_per_token(plain, 64)
 
@@ -190,3 +190,61 @@ def test_the_architecture_of_a_local_checkpoint_directory(cli, tmp_path):
     assert rc == 0, err
     plan = json.loads(out)["memory_plan"]
     assert plan["notes"][0] == f"architecture from checkpoint {ckpt}" and "4 layers" in plan["architecture"]
+
+
+# --- the plan decides nothing itself: it calls the trainer's own rules ---------------------------------------------
+def test_the_fused_log_prob_decision_is_the_trainers():
+    """``auto`` fuses from a large vocabulary only (the tiny recipes' 17 tokens: logits), in the plan as in the
+    trainer, which decides on the model it built."""
+    from polyrl.core.models import build_model
+    from polyrl.core.models.lm_head import fused_kernel_for
+
+    cpu = get_registry().backends["cpu"]
+    cfg = load_config("gpt_oss_dapo_tiny")
+    assert cfg.model.fused_logprobs == "auto"
+    for vocab in (17, 40000):
+        plan = plan_memory(cfg, cpu, vocab_size=vocab)
+        model = build_model(cfg.model.name, vocab_size=vocab, overrides=dict(cfg.model.overrides), seed=0, backend=cpu)
+        trainer_fuses = fused_kernel_for(cfg.model.fused_logprobs, model, cpu) is not None
+        assert trainer_fuses == (vocab > 32768)
+        assert ("fused" in plan.logprob_path) == trainer_fuses, (vocab, plan.logprob_path)
+
+
+def test_the_micro_batch_bound_is_the_packing_rules():
+    """The plan sizes one micro-batch with micro_batch_token_bound; the trainer's split never exceeds it and
+    reaches it (rows that add up to the budget; a row longer than the budget alone)."""
+    import random
+
+    from polyrl.core.data.packing import micro_batch_token_bound, pack_rows
+
+    rng = random.Random(0)
+    for _ in range(200):
+        budget, longest = rng.randint(1, 64), rng.randint(1, 64)
+        lengths = [rng.randint(1, longest) for _ in range(rng.randint(1, 30))]
+        parts = pack_rows(lengths, range(len(lengths)), budget)
+        assert sorted(r for p in parts for r in p) == list(range(len(lengths)))
+        assert max(sum(lengths[r] for r in p) for p in parts) <= micro_batch_token_bound(budget, max(lengths))
+    assert max(map(len, pack_rows([3, 5, 8], [0, 1, 2], 8))) == 2  # 3 + 5 = 8 reaches the budget
+    assert micro_batch_token_bound(8, 13) == 13 and pack_rows([13, 2], [0, 1], 8) == [[0], [1]]
+
+
+def test_the_rollout_engine_is_the_trainers_choice():
+    from polyrl.core.errors import BadInputError
+    from polyrl.core.rollout import resolve_engine
+
+    backends = get_registry().backends
+    cfg = load_config("gpt_oss_dapo", ["model.fused_logprobs=false"])
+    for name in ("cpu", "cuda"):
+        assert plan_memory(cfg, backends[name], nproc=8).engine == resolve_engine("auto", backends[name])
+    hf = plan_memory(cfg, backends["cuda"], nproc=8)
+    assert "rollout KV cache" in hf.rows and "rollout engine (reserved)" not in hf.rows
+    # a named vLLM on cuda is planned even where vLLM is not installed: it reserves its share of each GPU
+    cfg.rollout.engine = "vllm"
+    vllm = plan_memory(cfg, backends["cuda"], nproc=8)
+    assert vllm.engine == "vllm" and "rollout KV cache" not in vllm.rows
+    share = backends["cuda"].rollout_engine_options("vllm")["gpu_memory_utilization"]
+    assert vllm.rows["rollout engine (reserved)"] == pytest.approx(share * vllm.device_memory_gib)
+    assert vllm.phases["update"] == pytest.approx(hf.phases["update"])  # asleep while the trainer updates
+    cfg.rollout.engine = "nope"
+    with pytest.raises(BadInputError, match="unknown rollout engine 'nope'"):
+        plan_memory(cfg, backends["cuda"], nproc=8)

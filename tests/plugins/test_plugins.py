@@ -7,10 +7,7 @@ that a real `polyrl run` uses."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+from importlib import metadata
 
 import pytest
 
@@ -18,28 +15,8 @@ from polyrl.cli import main as polyrl_main
 from polyrl.core import plugins
 from polyrl.core.errors import BackendSelectionError, BadInputError
 from polyrl.core.plugins import selection
-from polyrl.testing.plugin_site import install_plugins
 
-PLUGIN_SRC = Path(__file__).parent
-SOURCES = [PLUGIN_SRC / "polyrl_dummy_backend", PLUGIN_SRC / "polyrl_faulty_plugins"]
 FAULTY = "polyrl-faulty-plugins"
-
-
-@pytest.fixture(scope="session")
-def plugin_site(tmp_path_factory) -> Path:
-    """Both plugin packages installed into a private directory (the venv is left untouched)."""
-    site = install_plugins(SOURCES, tmp_path_factory.mktemp("plugin_site"))
-    assert any(p.name.startswith("polyrl_dummy_backend-") for p in site.iterdir())
-    return site
-
-
-@pytest.fixture
-def with_plugins(plugin_site, monkeypatch):
-    monkeypatch.syspath_prepend(str(plugin_site))
-    monkeypatch.delenv("POLYRL_DISABLE_PLUGIN_AUTOLOAD", raising=False)
-    plugins.reset_registry()
-    yield plugin_site
-    plugins.reset_registry()
 
 
 @pytest.fixture
@@ -55,18 +32,11 @@ def cli(capsys):
     return run
 
 
-def _subprocess_cli(args: list[str], site: Path, **env: str) -> subprocess.CompletedProcess:
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("POLYRL_")}
-    full_env.update(env)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(site), full_env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, env=full_env)
-
-
 # --- discovery and listing ------------------------------------------------------------------------------
 
 
-def test_installed_plugins_are_listed_and_failures_reported_by_the_real_command(plugin_site):
-    proc = _subprocess_cli(["backends", "--json"], plugin_site)
+def test_installed_plugins_are_listed_and_failures_reported_by_the_real_command(site_cli):
+    proc = site_cli(["backends", "--json"])
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     by_name = {b["name"]: b for b in data["backends"]}
@@ -80,7 +50,7 @@ def test_installed_plugins_are_listed_and_failures_reported_by_the_real_command(
     failed = {n["name"]: n for n in data["not_loaded"] if n["failed"]}
     assert failed["faulty_import"] == {"name": "faulty_import", "distribution": FAULTY, "failed": True,
                                        "reason": "import failed: ImportError: planted import failure"}
-    text = _subprocess_cli(["backends"], plugin_site)
+    text = site_cli(["backends"])
     assert text.returncode == 0 and "Traceback" not in text.stderr
     assert "faulty_import" in text.stdout and "FAILED: import failed: ImportError: planted import failure" in text.stdout
 
@@ -168,7 +138,7 @@ def test_run_works_beside_faulty_plugins_and_names_its_backend_first(with_plugin
     rc, _, err = cli("run", "gpt_oss_dapo_tiny", "--output", str(out_dir), "--no-progress",
                      "trainer.total_steps=1", "data.batch_size=4")
     assert rc == 0, err
-    assert err.splitlines()[0] == "polyrl run: backend cpu (polyrl 0.1.0)"
+    assert err.splitlines()[0] == f"polyrl run: backend cpu (polyrl {metadata.version('polyrl')})"
     assert (out_dir / "metrics.jsonl").read_text().count("\n") == 1
 
 

@@ -82,15 +82,6 @@ def validate_cu_seqlens(cu: list[int], t: int) -> None:
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
-def _pick_backend(backend: str | Backend | None) -> Backend:
-    from polyrl.core.plugins.selection import get_active_backend, resolve_backend
-
-    if backend is None:
-        return get_active_backend()
-    if isinstance(backend, str):
-        return resolve_backend(backend)
-    return backend
-
 
 def varlen_attention(
     q: torch.Tensor,
@@ -123,7 +114,9 @@ def varlen_attention(
     _check_cu_seqlens(cu_seqlens, t)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _pick_backend(backend).varlen_attention(q, k, v, cu_seqlens, scale=float(scale), window=window, sinks=sinks)
+    from polyrl.core.plugins.selection import backend_for
+
+    return backend_for(backend).varlen_attention(q, k, v, cu_seqlens, scale=float(scale), window=window, sinks=sinks)
 
 
 def decode_attention(

@@ -56,7 +56,6 @@ class DataConfig:
     max_prompt_length: int = 1024
     # Prompts per training step (before the rollout's n samples each).
     batch_size: int = 16
-    shuffle: bool = True
     # Wall-clock bound of one reward computation; a timeout scores as failure and is counted.
     reward_timeout_s: float = 5.0
 

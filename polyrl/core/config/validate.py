@@ -119,16 +119,3 @@ def build_dataclass(cls: type[T], data: Any, path: str = "") -> T:
             raise BadInputError(f"unknown key {full!r} (known keys{' of ' + path if path else ''}: {known})")
         kwargs[key] = _convert(value, hints[key], full)
     return cls(**kwargs)
-
-
-def field_type(cls: type, dotted: str) -> Any:
-    """The schema type at a dotted path below ``cls`` (used to explain override errors)."""
-    tp: Any = cls
-    for part in dotted.split("."):
-        if not dataclasses.is_dataclass(tp):
-            return Any
-        hints = typing.get_type_hints(tp)
-        if part not in hints:
-            return None
-        tp = hints[part]
-    return tp

@@ -2,7 +2,8 @@
 
 The row schema is documented in docs/data.md. Everything wrong with a data file — missing, unreadable,
 malformed, a row without the needed field — raises ``BadInputError`` with one line naming the file,
-the row and the field, so ``polyrl run`` exits 2 before anything is written.
+the row and the field, so ``polyrl run`` exits 2 before anything is written. How sequences pack into
+micro-batches by a token budget is :mod:`polyrl.core.data.packing`.
 """
 
 from __future__ import annotations

@@ -153,12 +153,6 @@ def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig 
     return model
 
 
-def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
-
-
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:
     """Global L2 grad norm over all parameters (sharded DTensor or plain), then clip to ``max_norm``.
 

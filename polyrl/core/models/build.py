@@ -50,10 +50,11 @@ def build_model(
 
     import polyrl.core.attention.hf as hf_attention
     import polyrl.core.models.experts as hf_experts
+    from polyrl.core.plugins.selection import backend_for
 
     hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
     hf_experts.register()
-    backend = _backend(backend)
+    backend = backend_for(backend)
     overrides = dict(overrides or {})
     experts = {"experts_implementation": experts_implementation or hf_experts.NAME}
     path = os.fspath(name_or_path)
@@ -86,11 +87,3 @@ def build_model(
     return model
 
 
-def _backend(backend: Backend | str | None) -> Backend:
-    from polyrl.core.plugins.selection import get_active_backend, resolve_backend
-
-    if backend is None:
-        return get_active_backend()
-    if isinstance(backend, str):
-        return resolve_backend(backend)
-    return backend

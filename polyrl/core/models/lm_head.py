@@ -106,19 +106,26 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
 
 
-def fused_kernel_for(setting: bool | str, model: torch.nn.Module, backend: Any) -> Callable[..., Any] | None:
-    """The ``linear_logprobs`` kernel to use for ``model`` under ``model.fused_logprobs`` = ``setting``, or None
-    (the logits path). "auto": fused where the model allows it and its vocabulary is large enough for the
-    logits to matter (``AUTO_MIN_VOCAB``); true: fused, or a BadInputError naming why not."""
+def uses_fused_logprobs(setting: bool | str, model: torch.nn.Module) -> bool:
+    """Does ``model.fused_logprobs`` = ``setting`` fuse the lm_head into the log-prob for ``model``? The one rule,
+    read by the trainer and by the dry-run plan (on a meta-device model). "auto": where the model allows it and
+    its vocabulary is large enough for the logits to matter (``AUTO_MIN_VOCAB``); true: fused, or a BadInputError
+    naming why not; false: never."""
     if setting is False or setting == "false":
-        return None
+        return False
     if setting == "auto" and _vocab_size(model) < AUTO_MIN_VOCAB:
-        return None
+        return False
     problem = fused_head_problem(model)
     if problem:
         if setting is True or setting == "true":
             from polyrl.core.errors import BadInputError
 
             raise BadInputError(f"model.fused_logprobs=true: {problem}; set model.fused_logprobs to auto or false")
-        return None
-    return backend.linear_logprobs
+        return False
+    return True
+
+
+def fused_kernel_for(setting: bool | str, model: torch.nn.Module, backend: Any) -> Callable[..., Any] | None:
+    """The ``linear_logprobs`` kernel to use for ``model`` under ``model.fused_logprobs`` = ``setting``, or None
+    (the logits path): ``backend.linear_logprobs`` where :func:`uses_fused_logprobs` says so."""
+    return backend.linear_logprobs if uses_fused_logprobs(setting, model) else None

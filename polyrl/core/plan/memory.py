@@ -28,8 +28,10 @@ import os
 from typing import Any
 
 from polyrl.core.config import RunConfig
+from polyrl.core.data.packing import micro_batch_token_bound
 from polyrl.core.errors import BadInputError
-from polyrl.core.plan.rollout import planned_engine, vllm_plan
+from polyrl.core.models.lm_head import uses_fused_logprobs
+from polyrl.core.plan.rollout import SHARE_ROW, WEIGHTS_ROW, vllm_plan
 
 GIB = 2**30
 # Fraction of a device's memory the plan lets a run use: the rest is the runtime's context, the collective
@@ -79,16 +81,21 @@ class ModelCount:
     layers: int
 
 
-def count_parameters(config: Any, *, lm_head: bool = True) -> ModelCount:
-    """Build the causal LM of ``config`` on the meta device (no storage, no download) and count.
-    ``lm_head=False``: the critic's trunk (its LM head is replaced by a value head of H + 1 parameters)."""
+def meta_model(config: Any) -> Any:
+    """The causal LM of ``config`` on the meta device: shapes and structure, no storage, no download."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+
+def count_parameters(config: Any, *, lm_head: bool = True, model: Any = None) -> ModelCount:
+    """Count the parameters of the causal LM of ``config`` (``model``: its :func:`meta_model`, built here when
+    None). ``lm_head=False``: the critic's trunk (its LM head is replaced by a value head of H + 1 parameters)."""
     from polyrl.core.distributed.sharding import decoder_layers
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = meta_model(config) if model is None else model
     total = sum(p.numel() for p in model.parameters())
     per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
     if not lm_head:
@@ -169,6 +176,7 @@ class MemoryPlan:
     nnodes: int
     world_size: int
     sharded: bool
+    engine: str  # the rollout engine, as the trainer resolves rollout.engine
     architecture: str
     attention: str
     logprob_path: str
@@ -204,7 +212,8 @@ class MemoryPlan:
             f"memory plan: {self.backend} ({self.device}, {self.device_memory_gib:g} GiB per device), "
             f"{self.world_size} device(s) = {self.nproc} x {self.nnodes} node(s), "
             f"{'FSDP2-sharded' if self.sharded else 'not sharded'}",
-            f"  architecture: {self.architecture}; attention: {self.attention}; log-probs: {self.logprob_path}",
+            f"  architecture: {self.architecture}; attention: {self.attention}; log-probs: {self.logprob_path}; "
+            f"rollout engine: {self.engine}",
             "  parameters: " + ", ".join(f"{k} {v / 1e9:.2f} B" for k, v in self.params.items()),
         ]
         width = max(len(k) for k in self.rows)
@@ -232,7 +241,7 @@ class MemoryPlan:
             tips.append(f"use at least {devices} devices (--nproc/--nnodes)")
         biggest = max((k for k in self.rows if k not in _SHARDED), key=lambda k: self.rows[k])
         tips.append(f"shrink the largest item '{biggest}' ({self.rows[biggest]:.1f} GiB: "
-                    f"{_KNOB.get(biggest, 'see docs/recipes.md, Memory plan')})")
+                    f"{_KNOB.get(biggest, 'the plan above shows what each row counts')})")
         return (f"memory plan: needs {need:.1f} GiB per device, {self.usable_gib:.1f} GiB usable on "
                 f"{self.device} ({self.backend}) with {self.world_size} device(s): " + "; or ".join(tips))
 
@@ -245,11 +254,33 @@ _KNOB = {
     "critic activations": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens",
     "log-prob path (logits)": "set model.fused_logprobs=auto or lower algorithm.micro_batch_tokens",
     "rollout KV cache": "set rollout.micro_batch_size",
+    "rollout engine (reserved)": "set rollout.engine=hf (generation on the trainer's model) or add devices",
+    WEIGHTS_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
+    SHARE_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
     "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
     "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; a layer that does not fit gathered "
                                "needs expert/tensor parallelism, which polyrl does not have yet",
     "reference model": "turn the KL terms off or add devices",
 }
+
+
+def _rollout_engine(cfg: RunConfig, backend: Any) -> tuple[str, str]:
+    """(engine, note): the engine the trainer would run (``resolve_engine``, its own rule). A plan may be made
+    where the backend's hardware or the engine's package is absent: a named engine that cannot run here is
+    planned anyway (said in the note), an unknown one is refused as the trainer refuses it."""
+    from polyrl.core.rollout import engine_names, resolve_engine
+
+    requested = cfg.rollout.engine
+    try:
+        engine = resolve_engine(requested, backend)
+    except BadInputError as exc:
+        declared = tuple(getattr(backend, "rollout_engines", ()))
+        fallback = requested if requested != "auto" else (declared[0] if declared else "")
+        if fallback not in engine_names():
+            raise
+        return fallback, f"rollout engine {fallback}: cannot run on this machine ({exc}); planned as where it can"
+    how = "the backend's first engine that can run on this machine" if requested == "auto" else "named"
+    return engine, f"rollout engine {engine} (rollout.engine={requested}: {how})"
 
 
 def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1,
@@ -277,9 +308,12 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     config, source = architecture_config(cfg, overrides=overrides)
     if getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= config.vocab_size:
         config.pad_token_id = 0  # as the trainer does for a task's tiny vocabulary
-    actor = count_parameters(config)
+    actor_model = meta_model(config)
+    actor = count_parameters(config, model=actor_model)
     alg, ro, data = cfg.algorithm, cfg.rollout, cfg.data
     notes = [f"architecture from {source}"] if not source.startswith("model.name") else [source]
+    engine, engine_note = _rollout_engine(cfg, backend)
+    notes.append(engine_note)
     if config.model_type not in ("gpt_oss", "deepseek_v3"):
         notes.append(f"activations of {config.model_type}: a generic dense-decoder estimate (not measured)")
 
@@ -320,11 +354,11 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     state_total = state_bytes + ref_bytes + critic_state
 
     # --- the update: activations of one micro-batch and the log-prob path ---
-    native = "varlen_attention" in backend.native_kernels and cfg.model.attn_implementation == "polyrl"
+    native = "varlen_attention" in backend.provided_kernels() and cfg.model.attn_implementation == "polyrl"
     attention = (f"polyrl ({'native kernel of ' + backend.name if native else 'exact reference'})"
                  if cfg.model.attn_implementation == "polyrl" else cfg.model.attn_implementation)
     longest = data.max_prompt_length + ro.max_response_length
-    tokens = max(alg.micro_batch_tokens, longest)  # a longer sequence gets a micro-batch of its own
+    tokens = micro_batch_token_bound(alg.micro_batch_tokens, longest)  # the trainer's packing rule
     per_layer = [activation_bytes_per_token(config, kind, c, native) for kind in _layer_types(config)]
     ckpt = cfg.trainer.activation_checkpointing
     if ckpt:  # only each layer's input stays saved; one layer at a time is recomputed in backward
@@ -340,9 +374,8 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     V = config.vocab_size
     response_tokens = tokens * ro.max_response_length / longest
     chunk = cfg.trainer.logprob_chunk_size
-    # model.fused_logprobs: "auto" fuses wherever the model allows it (GPT-OSS and DeepSeek-V3 do)
-    fused = cfg.model.fused_logprobs is True or cfg.model.fused_logprobs == "auto"
-    if fused:
+    # model.fused_logprobs: the trainer's own rule, on the meta-device model (a refused "true" is refused here too)
+    if uses_fused_logprobs(cfg.model.fused_logprobs, actor_model):
         from polyrl.core.algorithms.linear_logprobs import vocab_chunk_for
 
         vchunk = vocab_chunk_for(chunk, V, None)
@@ -361,48 +394,56 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         crit_act = (len(crit) * critic_cfg.hidden_size * c + max(crit)) if ckpt else sum(crit)
         rows["critic activations"] = crit_act * tokens / GIB
 
-    # --- the rollout: the hf engine's KV cache and logits of the sequences generated together on this device, or an
-    # engine with its own weights (polyrl.core.plan.rollout) ---
-    static = state_total / GIB
-    engine = planned_engine(cfg, backend)
-    vllm = None
-    if engine == "vllm":
-        vllm = vllm_plan(cfg, backend, params=actor.total, dtype_bytes=s, capacity_gib=capacity,
-                         kv_bytes_per_token=kv_cache_bytes_per_token(config, s),
-                         window=getattr(config, "sliding_window", None), longest=longest)
-        rows.update(vllm.rows)
-        notes.append(vllm.note + ("" if cfg.rollout.engine == "vllm" else " (rollout.engine=auto: the backend's "
-                                                                          "first engine, where it is installed)"))
-        # the trainer's gathered layers and gradients are freed while the engine generates
-        rollout_peak = static - rows["gradients"] * (not offload) + vllm.awake_gib
-    else:
+    # --- the rollout ---
+    resident = 0.0  # what the rollout engine keeps on the device while the trainer updates
+    engine_problem = ""
+    if engine == "hf":  # the trainer's model generates: KV cache and logits of the sequences generated together
         per_device = math.ceil(data.batch_size / world) * ro.n
         together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
         kv = 0.0
         for kind, per_token in kv_cache_bytes_per_token(config, c):
-            held = min(longest, config.sliding_window) if kind == "sliding" and getattr(config, "sliding_window", None) else longest
+            held = (min(longest, config.sliding_window) if kind == "sliding" and getattr(config, "sliding_window", None)
+                    else longest)
             kv += together * held * per_token
         rows["rollout KV cache"] = kv / GIB
         rows["rollout prefill logits"] = together * (data.max_prompt_length * V * c + 3 * V * 4) / GIB
         notes.append(f"rollout: {together} sequences generated together per device "
                      f"({per_device} per step; rollout.micro_batch_size bounds it)")
-        rollout_peak = (static + rows["gathered layers (FSDP2)"] - rows["gradients"] * (not offload)
-                        + rows["rollout KV cache"] + rows["rollout prefill logits"])
-    asleep = vllm.asleep_gib if vllm is not None else 0.0
+        rollout = rows["gathered layers (FSDP2)"] + rows["rollout KV cache"] + rows["rollout prefill logits"]
+    elif engine == "vllm":  # its own weights inside its share of the device (polyrl.core.plan.rollout)
+        vllm = vllm_plan(backend, params=actor.total, dtype_bytes=s, capacity_gib=capacity,
+                         kv_bytes_per_token=kv_cache_bytes_per_token(config, s),
+                         window=getattr(config, "sliding_window", None), longest=longest)
+        rows.update(vllm.rows)
+        notes.append(vllm.note)
+        rollout, resident, engine_problem = vllm.awake_gib, vllm.asleep_gib, vllm.problem
+    else:  # an engine of its own (a plugin's): what it reserves of the device, as its backend configures it
+        options = backend.rollout_engine_options(engine)
+        fraction = options.get("gpu_memory_utilization")
+        reserved = float(fraction) * capacity if fraction else 0.0
+        rows["rollout engine (reserved)"] = reserved
+        notes.append(f"rollout engine {engine}: " + (
+            f"reserves {fraction:g} of the device (weights + KV cache)" if fraction else
+            "sizes its own memory (not counted here)"))
+        if not options.get("sleep_level"):  # an engine that never sleeps keeps its memory through the update
+            resident = reserved
+        rollout = reserved
+
+    static = state_total / GIB
     phases = {
-        "rollout": rollout_peak,
+        "rollout": static - rows["gradients"] * (not offload) + rollout,
         "update": static + rows["gathered layers (FSDP2)"] + rows["activations (one micro-batch)"]
-        + rows["log-prob path (logits)"] + asleep,
+        + rows["log-prob path (logits)"] + resident,
     }
     # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq)
-    phases["optimizer step"] = static + rows["parameters"] + asleep
+    phases["optimizer step"] = static + rows["parameters"] + resident
     if critic_cfg is not None:
-        phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"] + asleep
+        phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"] + resident
     return MemoryPlan(
         backend=backend.name, device=device, device_memory_gib=capacity, nproc=nproc, nnodes=nnodes,
-        world_size=world, sharded=sharded,
+        world_size=world, sharded=sharded, engine=engine,
         architecture=f"{config.model_type}, {actor.layers} layers, vocab {V}"
         + (", activation checkpointing" if ckpt else ""),
         attention=attention, logprob_path=logprob_path, params=params, rows=rows, phases=phases, notes=notes,
-        engine_problem=vllm.problem if vllm is not None else "",
+        engine_problem=engine_problem,
     )

@@ -1,4 +1,4 @@
-"""The rollout engine in the memory plan: which engine a run will use, and what an engine with its own weights holds.
+"""The rollout engine in the memory plan: what an engine with its own weights (vLLM) holds on a device.
 
 The ``hf`` engine generates with the trainer's own model: the plan counts its KV cache and prefill logits
 (polyrl.core.plan.memory). The ``vllm`` engine holds a copy of the weights of its own and takes a fixed fraction of
@@ -9,9 +9,6 @@ gives the device memory back. So for vLLM the plan counts: the share during roll
 state; nothing during the update (at sleep level 0, the share stays); and whether the engine's own weights (one
 full copy per device at tensor parallel 1) leave room for the KV cache of one longest sequence inside the share —
 if not, vLLM cannot start, whatever the rest of the device holds.
-
-``rollout.engine: auto`` is planned as the backend's first engine (``Backend.rollout_engines``): a dry run plans
-the machine the run is meant for, where that engine is installed, not the machine the plan is printed on.
 """
 
 from __future__ import annotations
@@ -21,15 +18,8 @@ from typing import Any
 
 GIB = 2**30
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default gpu_memory_utilization
-
-
-def planned_engine(cfg: Any, backend: Any) -> str:
-    """The rollout engine ``cfg`` will run on ``backend``: its name, or for ``auto`` the backend's first choice."""
-    requested = cfg.rollout.engine
-    if requested != "auto":
-        return requested
-    engines = tuple(getattr(backend, "rollout_engines", ("hf",))) or ("hf",)
-    return engines[0]
+WEIGHTS_ROW = "rollout engine weights (vllm)"
+SHARE_ROW = "rollout engine share (vllm)"
 
 
 @dataclasses.dataclass
@@ -41,7 +31,7 @@ class EnginePlan:
     note: str
 
 
-def vllm_plan(cfg: Any, backend: Any, *, params: int, dtype_bytes: int, capacity_gib: float,
+def vllm_plan(backend: Any, *, params: int, dtype_bytes: int, capacity_gib: float,
               kv_bytes_per_token: list[tuple[str, float]], window: int | None, longest: int) -> EnginePlan:
     """What the vllm engine holds per device: ``params`` weights in the model's dtype, divided by its tensor
     parallel size; its share of the device; and the check that weights + the KV cache of one ``longest``
@@ -54,8 +44,8 @@ def vllm_plan(cfg: Any, backend: Any, *, params: int, dtype_bytes: int, capacity
     kv = sum(per * (min(longest, window) if kind == "sliding" and window else longest)
              for kind, per in kv_bytes_per_token) / tp / GIB
     share = util * capacity_gib
-    rows = {f"rollout engine weights (vllm, tensor parallel {tp})": weights,
-            f"rollout engine share ({util:g} of the device)": share}
+    # the weights live inside the share: the share is what the phases count, the weights what the check reads
+    rows = {WEIGHTS_ROW: weights, SHARE_ROW: share}
     problem = ""
     if weights + kv > share:
         problem = (f"the vllm engine's own weights ({weights:.1f} GiB at tensor parallel {tp}) and the KV cache of "
@@ -64,7 +54,7 @@ def vllm_plan(cfg: Any, backend: Any, *, params: int, dtype_bytes: int, capacity
                    "rollout.engine=hf (it generates with the trainer's own weights) or use devices with more memory "
                    "(vLLM tensor parallelism, which would divide the weights, is not in polyrl's engine yet)")
     note = (f"rollout: vllm engine with its own weights ({weights:.1f} GiB, tensor parallel {tp}) inside "
-            f"{share:.1f} GiB while awake; " + (f"asleep (level {sleep_level}) during the update" if sleep_level
+            f"{share:.1f} GiB ({util:g} of the device) while awake; " + (f"asleep (level {sleep_level}) during the update" if sleep_level
                                                 else "it keeps its share during the update (no sleep)"))
     return EnginePlan(rows=rows, awake_gib=share, asleep_gib=0.0 if sleep_level else share, problem=problem,
                       note=note)

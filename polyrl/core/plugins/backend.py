@@ -439,7 +439,11 @@ class Backend:
 
     def declaration_warnings(self) -> list[str]:
         unknown = unknown_capabilities(self.capabilities)
-        return [f"unknown capabilities {unknown} (vocabulary: docs/plugins.md)"] if unknown else []
+        if not unknown:
+            return []
+        # Self-contained (an installed wheel has no docs/): the vocabulary itself, and the prefixes.
+        known = ", ".join(CAPABILITIES) + ", " + ", ".join(f"{p}<name>" for p in CAPABILITY_PREFIXES)
+        return [f"unknown capabilities {unknown} (known: {known}; x-<name> is private to the plugin)"]
 
     def availability(self) -> Availability:
         """``detect()``, isolated (an exception is an unavailable backend with the error's line), after the

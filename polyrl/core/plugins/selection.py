@@ -59,6 +59,15 @@ def get_active_backend() -> Backend:
     return _active
 
 
+def backend_for(spec: Backend | str | None) -> Backend:
+    """A Backend from what an API accepts: None (the active backend), a name, or a Backend itself."""
+    if spec is None:
+        return get_active_backend()
+    if isinstance(spec, str):
+        return resolve_backend(spec)
+    return spec
+
+
 def set_active_backend(name: str | None) -> Backend:
     global _active
     _active = resolve_backend(name)

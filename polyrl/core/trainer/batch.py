@@ -18,6 +18,7 @@ import torch
 
 from polyrl.core import algorithms as A
 from polyrl.core.attention.op import validate_cu_seqlens
+from polyrl.core.data.packing import pack_rows
 from polyrl.core.models.lm_head import fused_logprobs
 
 
@@ -50,23 +51,11 @@ class SequenceBatch:
 
 
 def micro_batches(lengths: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Split ``rows`` (in order) into runs whose total length stays within ``max_tokens``.
-
-    A single row longer than the budget gets a micro-batch of its own.
+    """Split ``rows`` (in order) into runs whose total length stays within ``max_tokens``
+    (:func:`polyrl.core.data.packing.pack_rows`, the rule the dry-run plan sizes micro-batches with), the same
+    number on every rank. A single row longer than the budget gets a micro-batch of its own.
     """
-    out: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for r in rows:
-        n = lengths[r]
-        if cur and used + n > max_tokens:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(r)
-        used += n
-    if cur:
-        out.append(cur)
-    return _same_count_on_every_rank(out)
+    return _same_count_on_every_rank(pack_rows(lengths, rows, max_tokens))
 
 
 def _same_count_on_every_rank(parts: list[list[int]]) -> list[list[int]]:

@@ -70,7 +70,7 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
 
 
 def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int,
-              backend: Any) -> torch.nn.Module:
+              backend: Any = None) -> torch.nn.Module:
     from polyrl.core.models import build_model
 
     try:

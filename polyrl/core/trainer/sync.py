@@ -110,5 +110,5 @@ def verify(engine: Any, model: Any, sequences: list[list[int]], dtype: str, **fo
                 f"the probe batch differ by up to {diff:.3g} (tolerance {bar:g} for {dtype}). Training on its "
                 "samples would train on another policy; stopping. Likely causes: a weight the engine does not "
                 "load (check the model's HF names), or an attention convention of the inference kernel that "
-                "differs from training's (sliding window, sinks) — docs/rollout.md")
+                "differs from training's (sliding window, sinks)")
     return metrics

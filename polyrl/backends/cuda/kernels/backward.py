@@ -8,8 +8,8 @@ dK/dV: program = (BLOCK_N keys, kv head). It walks the q tiles that can see its 
 (token, head-of-the-group) pairs exactly as in the forward — so the sum over the G query heads of the group
 happens in the fp32 dK/dV registers; nothing of size Hq x T x D is ever materialised.
 dQ: program = (q tile, kv head), the forward's key walk again. Each output element is written by exactly one
-program, so the backward is deterministic. ``BAND`` (short windows, opt-in): one masked loop over the exact band
-instead of the three aligned ranges (bounds.py). backward_fused.py holds the opt-in atomic alternative.
+program, so the backward is deterministic. ``BAND`` (the default for windows up to 256 keys, as in the
+forward): one masked loop over the exact band instead of the three aligned ranges (bounds.py). backward_fused.py holds the opt-in atomic alternative.
 """
 
 from __future__ import annotations

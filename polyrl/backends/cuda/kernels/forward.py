@@ -10,8 +10,9 @@ documents and is simply masked there; nothing needs the number of documents or t
 Key j is visible to row (t, h) iff ``doc_start[t] <= j <= t`` and ``t - j < W``.
 
 The key loop is split in three ranges of BLOCK_N-aligned key tiles (no tile outside the band is visited):
-masked lower edge (window start / document start), unmasked interior, masked diagonal. With ``BAND`` (short
-windows, opt-in) it is one masked loop over the exact band instead (bounds.py).
+masked lower edge (window start / document start), unmasked interior, masked diagonal. With ``BAND`` (the
+default for windows up to 256 keys; ``POLYRL_ATTN_WINDOW_TILES=aligned`` turns it off) it is one masked loop over
+the exact band instead (bounds.py).
 
 Sinks: the running max and sum start at the sink (``m = s * log2 e``, ``l = 1``), so the sink joins the
 denominator with no extra pass and ``m`` is never -inf. Without sinks ``m`` starts at a finite -1e30 for the
@@ -25,9 +26,6 @@ import triton.language as tl
 
 from polyrl.backends.cuda.kernels.bounds import band_key_range, key_ranges
 from polyrl.backends.cuda.kernels.configs import forward_configs
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 
 def prune_rows(configs, named_args, **kwargs):

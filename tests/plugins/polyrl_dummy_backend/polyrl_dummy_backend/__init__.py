@@ -9,8 +9,7 @@ kit on it in fp32 and bf16, and plants bugs in its kernel that the kit must catc
 
 import os
 
-from polyrl.core.plugins.backend import Availability, Backend
-from polyrl.core.plugins.hookspecs import hookimpl
+from polyrl.plugins import Availability, Backend, hookimpl
 
 
 class DummyBackend(Backend):

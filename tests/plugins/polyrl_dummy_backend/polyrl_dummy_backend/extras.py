@@ -1,6 +1,6 @@
 """A plugin with no backend: a task and a rollout engine, from the ``polyrl.plugins`` entry-point group."""
 
-from polyrl.core.plugins.hookspecs import hookimpl
+from polyrl.plugins import hookimpl
 
 
 def dummy_task(**params):

@@ -1,6 +1,6 @@
 """A second dummy backend in the same distribution, for the "two available candidates" rule."""
 
-from polyrl.core.plugins.hookspecs import hookimpl
+from polyrl.plugins import hookimpl
 from polyrl_dummy_backend import DummyBackend
 
 

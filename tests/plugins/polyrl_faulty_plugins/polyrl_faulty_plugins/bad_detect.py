@@ -1,6 +1,6 @@
 """An accelerator backend whose detect() raises."""
 
-from polyrl.core.plugins import Backend, hookimpl
+from polyrl.plugins import Backend, hookimpl
 
 
 class BadDetect(Backend):

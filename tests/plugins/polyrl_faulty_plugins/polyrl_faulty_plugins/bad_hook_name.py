@@ -1,6 +1,6 @@
 """A plugin whose hook name is misspelt (singular): pluggy finds no such hook."""
 
-from polyrl.core.plugins import hookimpl
+from polyrl.plugins import hookimpl
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """An available accelerator backend whose attention_kernel has a typo, and a capability outside the vocabulary."""
 
-from polyrl.core.plugins import Availability, Backend, hookimpl
+from polyrl.plugins import Availability, Backend, hookimpl
 
 
 def varlen_attention(q, k, v, cu_seqlens, *, scale, window, sinks):

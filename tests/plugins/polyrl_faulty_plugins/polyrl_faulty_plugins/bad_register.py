@@ -1,6 +1,6 @@
 """A plugin that registers a backend, then raises in the same hook: what it registered is dropped."""
 
-from polyrl.core.plugins import Availability, Backend, hookimpl
+from polyrl.plugins import Availability, Backend, hookimpl
 
 
 class HalfRegistered(Backend):

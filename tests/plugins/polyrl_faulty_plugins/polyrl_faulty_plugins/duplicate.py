@@ -1,6 +1,6 @@
 """A plugin registering a rollout engine under polyrl's own name, ``hf``."""
 
-from polyrl.core.plugins import hookimpl
+from polyrl.plugins import hookimpl
 
 
 @hookimpl
