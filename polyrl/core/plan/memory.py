@@ -254,9 +254,8 @@ _KNOB = {
     "critic activations": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens",
     "log-prob path (logits)": "set model.fused_logprobs=auto or lower algorithm.micro_batch_tokens",
     "rollout KV cache": "set rollout.micro_batch_size",
-    "rollout engine (reserved)": "set rollout.engine=hf (generation on the trainer's model) or add devices",
+    SHARE_ROW: "set rollout.engine=hf (generation on the trainer's model) or add devices",
     WEIGHTS_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
-    SHARE_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
     "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
     "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; a layer that does not fit gathered "
                                "needs expert/tensor parallelism, which polyrl does not have yet",
@@ -421,7 +420,7 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         options = backend.rollout_engine_options(engine)
         fraction = options.get("gpu_memory_utilization")
         reserved = float(fraction) * capacity if fraction else 0.0
-        rows["rollout engine (reserved)"] = reserved
+        rows[SHARE_ROW] = reserved
         notes.append(f"rollout engine {engine}: " + (
             f"reserves {fraction:g} of the device (weights + KV cache)" if fraction else
             "sizes its own memory (not counted here)"))

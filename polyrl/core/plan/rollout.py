@@ -19,7 +19,7 @@ from typing import Any
 GIB = 2**30
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default gpu_memory_utilization
 WEIGHTS_ROW = "rollout engine weights (vllm)"
-SHARE_ROW = "rollout engine share (vllm)"
+SHARE_ROW = "rollout engine (reserved)"  # the same row as for any engine with a share of its own
 
 
 @dataclasses.dataclass
