@@ -58,6 +58,7 @@ class AscendBackend(Backend):
     # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
+    selfcheck_module = "polyrl.backends.ascend.selfcheck"  # the first run on hardware: polyrl doctor --selfcheck
     # MoE experts through npu_grouped_matmul (op-plugin has no torch._grouped_mm for the NPU, transformers' default)
     experts_kernel = "polyrl.backends.ascend.experts:npu_experts"
     # vllm-ascend preferred (rollout.engine: auto) where installed; the hf engine otherwise. Never run here (no

@@ -207,6 +207,11 @@ class Backend:
     # polyrl.core.models.experts.reference_experts (the default: transformers' grouped_mm path, torch._grouped_mm).
     experts_kernel: ClassVar[str] = REFERENCE_KERNELS["experts"]
 
+    # A module ``polyrl doctor --backend NAME --selfcheck`` runs as ``python -m <module>`` (in a child process: it
+    # may import the vendor library) where the backend is available: it checks on the device what the backend's
+    # kernels assume (exit 0: every case passed). "" : the backend has none.
+    selfcheck_module: ClassVar[str] = ""
+
     # Memory of one device in GiB by device model, for the dry-run memory plan (read without the hardware; the
     # first entry is the model assumed when none is named). ``polyrl run --dry-run --device-memory GIB`` overrides.
     device_memory_table: ClassVar[dict[str, float]] = {}
