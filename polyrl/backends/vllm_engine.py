@@ -345,8 +345,10 @@ class VllmEngine:
         """Largest |engine - trainer| log-prob over tokens the engine samples at decode time past the sliding
         window (0.0 for a model without one): the prefill probe (``score``) does not run the decode kernels,
         and an inference kernel may treat the window differently there (vllm-ascend's decode attention is
-        another op than its prefill). A short prompt, then ``window + window // 2`` tokens at temperature 1
-        (seeded), bounded by the engine's length; ``trainer_score(sequences)`` gives the trainer's log-probs of
+        another op than its prefill). A short prompt, then ``2 * window + window // 2`` tokens at temperature 1
+        (seeded), bounded by the engine's length: past the window by more than a window, so that a KV block of
+        the window's size has been evicted behind it (vLLM frees sliding-window blocks whole; a kernel that reads
+        one key more than vLLM keeps shows only then); ``trainer_score(sequences)`` gives the trainer's log-probs of
         ``sequences[i][t]``, t >= 1 (``polyrl.core.trainer.sync.trainer_logprobs``). This rank's value: the
         caller takes the maximum over ranks."""
         if not self.window:
@@ -356,7 +358,7 @@ class VllmEngine:
         gen = torch.Generator().manual_seed(seed)
         vocab = self.vocab_size
         prompt = torch.randint(min(4, vocab - 1), vocab, (4,), generator=gen).tolist()
-        n = min(self.window + max(self.window // 2, 4), self.max_model_len - 1 - len(prompt))
+        n = min(2 * self.window + max(self.window // 2, 4), self.max_model_len - 1 - len(prompt))
         params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=n, stop_token_ids=())
         out = self.generate([prompt], params, row_seeds=[seed])
         sequence = prompt + out.response_ids[0]
