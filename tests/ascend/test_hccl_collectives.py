@@ -16,9 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from polyrl.cli import main as polyrl_main
 from polyrl.core.plugins import get_registry
-from polyrl.core.plugins.selection import reset_active_backend
 from polyrl.emulation import hccl
 
 WORKER = Path(__file__).with_name("hccl_worker.py")
@@ -62,12 +60,17 @@ def test_the_ascend_backend_declares_what_hccl_reduces() -> None:
     assert not get_registry().backends["cpu"].collective_reduce_dtypes  # gloo reduces every dtype
 
 
-def test_three_emulated_processes_are_refused_before_any_starts(tmp_path, capsys) -> None:
-    reset_active_backend()
-    rc = polyrl_main(["run", "gpt_oss_dapo_tiny", "--backend", "ascend", "--emulate", "--nproc", "3",
-                      "--output", str(tmp_path / "run"), "data.batch_size=6"])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1, err
+def test_three_emulated_processes_are_refused_before_any_starts(tmp_path) -> None:
+    import os
+
+    # a subprocess: --emulate puts the emulator in sys.modules, which must not leak into other tests
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env.pop("POLYRL_ASCEND_ON_CPU", None)
+    proc = subprocess.run([sys.executable, "-m", "polyrl", "run", "gpt_oss_dapo_tiny", "--backend", "ascend",
+                           "--emulate", "--nproc", "3", "--output", str(tmp_path / "run"), "data.batch_size=6"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1, err
     assert "world size 3" in err[0] and "HCCL's all_gather_into_tensor / reduce_scatter_tensor" in err[0]
     assert "3, 5, 6 and 7" in err[0]
     assert not (tmp_path / "run").exists()

@@ -39,8 +39,8 @@ def ascend(monkeypatch):
     monkeypatch.delenv("POLYRL_ASCEND_ON_CPU", raising=False)
     monkeypatch.delenv(ALLOC, raising=False)
     monkeypatch.setattr(vllm_engine, "vllm_problem", lambda *a, **k: "")  # vllm and vllm-ascend "installed"
-    for key in ("VLLM_ASCEND_ENABLE_NZ", "VLLM_ENABLE_V1_MULTIPROCESSING"):
-        monkeypatch.delenv(key, raising=False)
+    for key in ("VLLM_ASCEND_ENABLE_NZ", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # what the engine sets, undone after
+        monkeypatch.setenv(key, "0")
 
     def use(version: str, **changes) -> AscendBackend:
         release = dataclasses.replace(standin.RELEASES[version], **changes)

@@ -14,7 +14,7 @@ fails here:
 - every tag's attention passes ``pre_tokens = sliding_window`` to the fused attention ops, which keep
   ``pre_tokens + 1`` keys per query (vllm_ascend/attention/attention_v1.py); at decode another op runs
   (``npu_fused_infer_attention_score``): ``decode_window="ignored"`` models a decode kernel that drops the band
-  (the issue's "FIA ignores sparse_mode at decode"), to show the decode probe catches what the prefill probe
+  (a fused inference op that does not apply the band to a single query), to show the decode probe catches what the prefill probe
   cannot.
 
 The model itself is transformers' eager implementation loaded from the engine's export, its window set per call
