@@ -44,7 +44,7 @@ def ascend(monkeypatch):
 
     def use(version: str, **changes) -> AscendBackend:
         release = dataclasses.replace(standin.RELEASES[version], **changes)
-        monkeypatch.setattr(ascend_compat, "installed_vllm_ascend", lambda: version)
+        monkeypatch.setattr(ascend_compat, "installed_vllm_ascend", lambda: version, raising=False)
         monkeypatch.setitem(sys.modules, "vllm", standin.module(release))
         return AscendBackend()
 
