@@ -3,7 +3,8 @@
 Each sub-command lives in its own module exposing ``add_parser(subparsers)`` and ``main(args) -> int``.
 Exit codes: 0 success, 1 anything else, 2 bad input — a one-line message on stderr, no
 traceback, nothing on disk touched. Sub-command modules raise ``BadInputError`` for bad input and this
-front turns it into the message and the code.
+front turns it into the message and the code; a fault of the machine (``Fault``: a full disk, ...) is one
+line too, with exit 1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from polyrl.core.errors import BadInputError
+from polyrl.core.run.faults import Fault
 
 # name -> module under polyrl.cli. Every module is imported to build the parser, so each keeps its top level
 # light and imports the heavy parts (torch, the trainer) inside its ``main``: `polyrl backends` never pays for them.
@@ -53,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BadInputError as exc:
         print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Fault as exc:
+        print(f"polyrl {args.command}: error: {exc}", file=sys.stderr)
+        return 1  # a fault of the machine: not bad input
     except KeyboardInterrupt:
         print(f"polyrl {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -156,3 +156,44 @@ def test_a_worker_that_ignores_its_alarm_is_killed_by_the_batch_deadline(monkeyp
         assert scores == [1.0]
     finally:
         pool.close()
+
+
+def remote_crashing(answer: str, response: str) -> float:
+    """A verifier that kills its own process: a segfault in C code, or the OOM killer (no core file left)."""
+    import faulthandler
+    import os
+    import resource
+    import signal
+
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    faulthandler.disable()  # pytest's: its dump of the dying worker is not what the test looks at
+    if response in ("segv", "kill"):
+        os.kill(os.getpid(), signal.SIGSEGV if response == "segv" else signal.SIGKILL)
+    return 1.0 if response == answer else -1.0
+
+
+class CrashingTask(RemoteTask):
+    remote_score = staticmethod(remote_crashing)
+
+
+def test_a_worker_that_dies_is_one_failure_named_at_once(monkeypatch):
+    """A call that kills its worker is answered 'crashed' (naming the signal) as soon as the worker is gone, not
+    at the batch deadline; the other calls of the batch keep their scores, and the next batch gets a fresh pool."""
+    import polyrl.core.rewards.batch as batch
+
+    pool = BoundedPool(processes=2)
+    monkeypatch.setattr(batch, "shared_pool", lambda: pool)
+    try:
+        responses = ["a", "segv", "b", "kill", "a", "segv"]
+        start = time.monotonic()
+        # a 20 s bound: the batch deadline would be 20 * (3 + 1) + 2 s away
+        scores, stats = score_batch(CrashingTask(), [_ex("a", i) for i in range(6)], responses, timeout_s=20.0)
+        assert time.monotonic() - start < 15.0
+        assert scores == [1.0, -1.0, -1.0, -1.0, 1.0, -1.0]
+        assert stats == ScoreStats(errors=3, timeouts=0, crashed=3)
+        assert stats.last_failure == "reward worker killed by SIGSEGV"
+        assert pool.crashes == 3 and pool.restarts == 1
+        scores, stats = score_batch(CrashingTask(), [_ex("a")], ["a"], timeout_s=5.0)
+        assert scores == [1.0] and stats == ScoreStats()
+    finally:
+        pool.close()

@@ -58,6 +58,9 @@ class DataConfig:
     batch_size: int = 16
     # Wall-clock bound of one reward computation; a timeout scores as failure and is counted.
     reward_timeout_s: float = 5.0
+    # Stop the run when every reward of this many generation batches in a row failed (raised, timed out, or its
+    # worker died: a broken verifier, not a hard batch); 0 = never stop.
+    reward_max_failures_in_row: int = 3
 
 
 @dataclass

@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from polyrl.core import distributed as D
-from polyrl.core.distributed.launch import check_lifeline
+from polyrl.core.distributed.launch import check_lifeline, stop_signal
 from polyrl.core.errors import BadInputError
 from polyrl.core.run.directory import _fsync_dir, write_atomic
+from polyrl.core.run.faults import NotEnoughSpace, dir_bytes, expected_bytes, free_bytes, is_out_of_space
 from polyrl.core.run.integrity import (
     COMPLETE_MARKER,
     CheckpointRefused,
@@ -268,21 +269,51 @@ def save_checkpoint(
     ``state`` keys: model, optimizer, critic, critic_optimizer (DCP), scheduler, critic_scheduler,
     trainer (objects with state_dict()). Absent or None entries are skipped. ``keep``: how many complete
     checkpoints to keep (None keeps all). Returns the published directory.
-    """
-    import torch
-    import torch.distributed.checkpoint as dcp
 
+    Refused before writing (``NotEnoughSpace``) when the file system has less free space than the checkpoint
+    takes (``faults.expected_bytes``); a failed save removes its ``step_N.tmp`` (``NotEnoughSpace`` when it
+    failed for lack of space), earlier checkpoints untouched.
+    """
     root = Path(ckpt_dir)
     final = root / step_dirname(step)
     tmp = root / (final.name + ".tmp")
-    rank, world = D.get_rank(), D.get_world_size()
+    rank = D.get_rank()
+    sd = _dcp_state(state)
+    space = None  # rank 0's (needed, free) when the file system cannot take this checkpoint
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a leftover of a run killed mid-write
+        needed = expected_bytes(sd, latest_checkpoint(root))
+        free = free_bytes(root) + (dir_bytes(final) if final.exists() else 0)  # a re-saved step replaces its own
+        space = (needed, free) if free < needed else None
+    space = D.broadcast_object(space)  # every rank refuses together, before anyone writes
+    what = f"checkpoint step {step}"
+    if space is not None:
+        raise NotEnoughSpace(root, what, *space, before=True)
     D.barrier()
+    try:
+        _write_and_publish(root, tmp, final, step, sd, state, keep, backend)
+    except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt) or stop_signal() is not None:
+            raise  # the stop path: the partial directory is never loaded, and the next save removes it
+        full = is_out_of_space(exc, root)  # looked at before the partial files go
+        shutil.rmtree(tmp, ignore_errors=True)  # every rank (a shared directory): what one left, another removes
+        if full:
+            raise NotEnoughSpace(root, what, expected_bytes(sd, latest_checkpoint(root)), free_bytes(root),
+                                 before=False) from exc
+        raise
+    return final
+
+
+def _write_and_publish(root: Path, tmp: Path, final: Path, step: int, sd: dict[str, Any], state: Mapping[str, Any],
+                       keep: int | None, backend: Backend | None) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    rank, world = D.get_rank(), D.get_world_size()
     writer, written = hashing_storage_writer(tmp)  # each file is hashed as it is written (integrity.py)
     with _quiet_single_process():
-        dcp.save(_dcp_state(state), storage_writer=writer)
+        dcp.save(sd, storage_writer=writer)
     extra = _extra_state(state, backend)
     (tmp / "extra").mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
@@ -312,7 +343,6 @@ def save_checkpoint(
         if keep is not None and keep > 0:
             _prune(root, keep)
     D.barrier()
-    return final
 
 
 def _check_weights_only(buf: io.BytesIO, what: str) -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -241,6 +242,7 @@ class RunDir:
         self.is_main = is_main
         self._metrics_f = None
         self._tb = None
+        self._failed = False  # a write failed: the writers' close may fail the same way
         self.opened = False  # True once open() began: the directory may hold this run's files from then on
 
     @property
@@ -291,50 +293,76 @@ class RunDir:
         return writer
 
     def log(self, metrics: dict[str, Any]) -> None:
+        """One line of ``metrics.jsonl`` (flushed) and one TensorBoard event. A failed write raises its OSError
+        with the file it was writing (a failed ``write`` names none), for the one line the user gets."""
         if not self.is_main or self._metrics_f is None:
             return
         record = {k: _jsonable(v) for k, v in metrics.items()}
-        self._metrics_f.write(json.dumps(record, sort_keys=False) + "\n")
-        self._metrics_f.flush()
+        with _naming(self, self.metrics_path):
+            self._metrics_f.write(json.dumps(record, sort_keys=False) + "\n")
+            self._metrics_f.flush()
         if self._tb is not None:
-            self._tb.add(metrics)
+            with _naming(self, self.events_path):
+                self._tb.add(metrics)
+                self._tb.flush()
 
     def close(self) -> None:
-        if self._metrics_f is not None:
-            self._metrics_f.close()
-            self._metrics_f = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Close the writers; after a failed write (the run is ending on it) their own errors are not news."""
+        for name in ("_metrics_f", "_tb"):
+            writer = getattr(self, name)
+            setattr(self, name, None)
+            if writer is not None:
+                with contextlib.suppress(*((OSError,) if self._failed else ())):
+                    writer.close()
+
+
+@contextlib.contextmanager
+def _naming(run_dir: RunDir, path: Path) -> Iterator[None]:
+    try:
+        yield
+    except OSError as exc:
+        run_dir._failed = True
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 class _EventWriter:
-    """TensorBoard scalars, one event per step (tag = metric name), through tensorboard's own event-file
-    writer (what torch's SummaryWriter uses underneath). None when tensorboard is not installed."""
+    """TensorBoard scalars, one event per step (tag = metric name), in one event file written synchronously with
+    tensorboard's record format (``RecordWriter``; what torch's SummaryWriter writes underneath). Synchronous: a
+    failed write (a full disk) is raised here, in the loop, not printed as a traceback by a writer thread. None
+    when tensorboard is not installed."""
 
-    def __init__(self, writer: Any, event_cls: Any, summary_cls: Any) -> None:
-        self._writer, self._event, self._summary = writer, event_cls, summary_cls
+    def __init__(self, file: Any, records: Any, event_cls: Any, summary_cls: Any) -> None:
+        self._file, self._records, self._event, self._summary = file, records, event_cls, summary_cls
 
     @classmethod
     def open(cls, path: Path) -> _EventWriter | None:
         try:
             from tensorboard.compat.proto.event_pb2 import Event
             from tensorboard.compat.proto.summary_pb2 import Summary
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            from tensorboard.summary.writer.record_writer import RecordWriter
         except ImportError:  # tensorboard is an optional extra
             return None
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)
-        return cls(EventFileWriter(str(path)), Event, Summary)
+        # TensorBoard reads files named *tfevents*; the name's parts are its writers' convention
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
+        f = open(path / name, "wb")  # noqa: SIM115 - the writer owns it until close()
+        writer = cls(f, RecordWriter(f), Event, Summary)
+        writer._write(Event(wall_time=time.time(), file_version="brain.Event:2"))  # the file's first record
+        return writer
 
     def add(self, metrics: dict[str, Any]) -> None:
         values = [self._summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()
                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)]
-        event = self._event(wall_time=time.time(), step=int(metrics["step"]), summary=self._summary(value=values))
-        self._writer.add_event(event)
+        self._write(self._event(wall_time=time.time(), step=int(metrics["step"]), summary=self._summary(value=values)))
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
 
     def flush(self) -> None:
-        self._writer.flush()
+        self._file.flush()
 
     def close(self) -> None:
-        self._writer.close()
+        self._file.close()

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from polyrl.core.dtypes import torch_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.run.checkpoint import load_model_weights, refusal, resolve_checkpoint
+from polyrl.core.run.faults import writing_whole
 from polyrl.core.run.integrity import CheckpointRefused
 
 if TYPE_CHECKING:
@@ -119,9 +120,18 @@ def export_checkpoint(
         step = int(step_dir.name.split("_")[1])
         raise refusal(exc, step_dir.parent, step, how, {"model": get_model_state_dict(model)}) from None
     model = model.to(out_dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    for item in meta_dir.iterdir():  # tokenizer files (config.json came from save_pretrained just now)
-        if item.is_file() and item.name not in ("config.json", "polyrl_export.json"):
-            shutil.copy2(item, out / item.name)
+    # all or nothing: refused before writing without the space, and a failed write (a full disk) leaves no
+    # half-written model directory (one line, exit 1: polyrl.core.run.faults)
+    with writing_whole(out, _export_bytes(model, meta_dir), "the export"):
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out, safe_serialization=True)
+        for item in meta_dir.iterdir():  # tokenizer files (config.json came from save_pretrained just now)
+            if item.is_file() and item.name not in ("config.json", "polyrl_export.json"):
+                shutil.copy2(item, out / item.name)
     return out
+
+
+def _export_bytes(model: nn.Module, meta_dir: Path) -> int:
+    """What the export writes: each weight once (tied ones share storage) and the tokenizer files."""
+    weights = {t.untyped_storage().data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}
+    return sum(weights.values()) + sum(f.stat().st_size for f in meta_dir.iterdir() if f.is_file())

@@ -27,11 +27,13 @@ from polyrl.core.config import RunConfig
 from polyrl.core.models.chat import encode_prompt
 from polyrl.core.rewards import score_batch
 from polyrl.core.rollout import SamplingParams
+from polyrl.core.run.faults import EngineFailed, RewardsFailing
 from polyrl.core.trainer.batch import SequenceBatch
 
 
 class TrainingAborted(RuntimeError):
-    """The run cannot continue (non-finite updates in a row, dynamic sampling exhausted); message says why."""
+    """The run cannot continue (non-finite updates in a row, dynamic sampling exhausted, a fault of the machine:
+    ``Trainer.train`` turns a :mod:`polyrl.core.run.faults` fault into one); the message is the user's one line."""
 
 
 @dataclasses.dataclass
@@ -47,6 +49,9 @@ class Rollout:
     sample_gen: torch.Generator
     task_rng: Any  # random.Random of the prompt stream
     device: torch.device
+    # generation batches in a row in which every reward failed (the data.reward_max_failures_in_row rule); not
+    # checkpointed: a resumed run counts afresh
+    reward_failures_in_row: int = 0
 
 
 @dataclasses.dataclass
@@ -64,6 +69,7 @@ class Generation:
     reward_errors: int = 0
     reward_timeouts: int = 0
     truncated: int = 0  # prompts cut to data.max_prompt_length
+    reward_failure: str = ""  # why the last failed reward failed ("" when none did)
 
     @property
     def shaped(self) -> torch.Tensor:
@@ -87,7 +93,8 @@ class Generation:
             return Generation([], [], [], [], [], torch.zeros(0), torch.zeros(0), torch.zeros(0))
         return Generation(*([x for p in parts for x in getattr(p, k)] for k in _ROW_FIELDS),
                           *(torch.cat([getattr(p, k) for p in parts]) for k in _TENSOR_FIELDS),
-                          *(sum(getattr(p, k) for p in parts) for k in _COUNT_FIELDS))
+                          *(sum(getattr(p, k) for p in parts) for k in _COUNT_FIELDS),
+                          next((p.reward_failure for p in reversed(parts) if p.reward_failure), ""))
 
 
 _ROW_FIELDS = ("prompts", "responses", "logprobs", "group_ids", "finish")
@@ -154,7 +161,12 @@ def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: 
     seq_prompts = [p for p in prompts for _ in range(n)]
     seq_examples = [ex for ex in examples for _ in range(n)]
     seeds = _row_seeds(ro.sample_gen, first_row, len(seq_prompts))
-    out = ro.engine.generate(seq_prompts, ro.sampling, row_seeds=seeds)
+    try:
+        out = ro.engine.generate(seq_prompts, ro.sampling, row_seeds=seeds)
+    except torch.OutOfMemoryError:
+        raise  # device memory: the trainer's own line (phase, micro-batch, recipe key)
+    except Exception as exc:  # the engine's own failure (a stop signal is a BaseException: not caught)
+        raise EngineFailed(getattr(ro.engine, "name", type(ro.engine).__name__), exc) from exc
     stop = set(ro.sampling.stop_token_ids)
     texts = [decode_response(tok, r, stop) for r in out.response_ids]
     raw, stats = score_batch(ro.task, seq_examples, texts, timeout_s=cfg.data.reward_timeout_s)
@@ -167,7 +179,7 @@ def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: 
     )
     return Generation(seq_prompts, out.response_ids, out.logprobs, [ex.group_id for ex in seq_examples],
                       out.finish_reasons, raw_t, penalty, lengths, reward_errors=stats.errors,
-                      reward_timeouts=stats.timeouts, truncated=truncated)
+                      reward_timeouts=stats.timeouts, truncated=truncated, reward_failure=stats.last_failure)
 
 
 def _gather_global(part: Generation) -> Generation:
@@ -211,6 +223,7 @@ def sample_experience(cfg: RunConfig, ro: Rollout) -> Experience:
         part = _gather_global(_generate_and_score(cfg, ro, examples, first_row=D.rank_slice(target).start * cfg.rollout.n))
         seen.append(part)
         counts.gen_batches += 1
+        _count_reward_failures(cfg, ro, part)
         rows = list(range(part.size))
         if not ds.enable:
             kept.append(part)
@@ -248,6 +261,16 @@ def sample_experience(cfg: RunConfig, ro: Rollout) -> Experience:
         return Experience(None, torch.zeros(0, device=ro.device), counts, metrics)
     batch = SequenceBatch.from_rollout(mine.prompts, mine.responses, mine.logprobs, mine.group_ids, device=ro.device)
     return Experience(batch, mine.shaped.to(ro.device), counts, metrics)
+
+
+def _count_reward_failures(cfg: RunConfig, ro: Rollout, part: Generation) -> None:
+    """The stop rule of ``data.reward_max_failures_in_row``: a generation batch (the global one, so every rank
+    decides alike) whose every reward failed counts, any success resets; too many in a row stop the run."""
+    failed = part.reward_errors + part.reward_timeouts
+    ro.reward_failures_in_row = ro.reward_failures_in_row + 1 if part.size and failed >= part.size else 0
+    limit = cfg.data.reward_max_failures_in_row
+    if 0 < limit <= ro.reward_failures_in_row:
+        raise RewardsFailing(ro.reward_failures_in_row, "data.reward_max_failures_in_row", part.reward_failure)
 
 
 def _rollout_metrics(seen: Generation, counts: RolloutCounts) -> dict[str, float]:

@@ -3,7 +3,10 @@
 A run, in :meth:`Trainer.train`, top to bottom: resume from the newest verified checkpoint (or start fresh),
 open the run directory, then step → log → checkpoint every ``save_every`` steps and at the last one; a stop
 signal ends it between or inside steps (``RunStopped``, the checkpoint in progress abandoned), non-finite
-updates in a row and exhausted dynamic sampling end it with ``TrainingAborted``.
+updates in a row and exhausted dynamic sampling end it with ``TrainingAborted``, and so does a fault of the
+machine (a full or unwritable disk, device memory, a failing rollout engine or reward workers:
+:mod:`polyrl.core.run.faults`), its message the one line that names it, what to do and where the same command
+resumes.
 
 A step, in :meth:`Trainer.step`, is three stages with explicit data, each usable alone (step parity, a new
 engine or algorithm plug in here)::
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import time
 import warnings
@@ -35,6 +39,7 @@ from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig, dump_config
 from polyrl.core.distributed import launch as L
+from polyrl.core.run.faults import fault_line
 from polyrl.core.trainer import sync
 from polyrl.core.trainer.batch import forward_all, policy_forward, value_forward
 from polyrl.core.trainer.experience import Experience, TrainingAborted, sample_experience
@@ -74,6 +79,7 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, backend: Any, device: torch.device | None = None) -> None:
         self.cfg = cfg
+        self.phase: str | None = None  # the stage of the step being run (named when device memory runs out)
         self.backend = backend
         self.device = device if device is not None else backend.device(D.get_local_rank())
         if cfg.trainer.num_threads > 0:
@@ -100,21 +106,23 @@ class Trainer:
         (``check_lifeline`` before each metrics line; ``save_checkpoint`` checks before it publishes)."""
         from polyrl.core.run.checkpoint import load_latest_checkpoint
         from polyrl.core.run.export import save_model_metadata
-        from polyrl.core.run.outcome import stopped_message
+        from polyrl.core.run.outcome import resume_point, stopped_message
 
         # 1. resume: collective on every rank, unconditionally (rank 0 decides and broadcasts: a per-rank look at
         # the directory races with rank 0 creating it). Verified before anything is loaded; refusal = bad input.
         resumed = load_latest_checkpoint(run_dir.checkpoints, self.checkpoint_state(), backend=self.backend,
                                          resume_from=resume_from)
         log(f"backend {self.backend.origin()}")  # the run log's first line, past the last bad input
-        run_dir.open(dump_config(self.cfg), resume_step=resumed)
         total = self.cfg.trainer.total_steps
         bar = None
         last: dict[str, float] = {}
+        doing, where = "while opening the run directory", run_dir.path  # for a fault's one line
         try:
+            run_dir.open(dump_config(self.cfg), resume_step=resumed)
             save_model_metadata(run_dir.checkpoints, self.models.actor, self.tokenizer)  # for `polyrl export`
             if resumed is not None:
                 log(f"resuming {run_dir.path} from step {resumed}")
+                doing = "while resuming"
                 self.sync_engine()  # the checkpoint's weights are not in the engine yet
             if progress and D.is_main_process():
                 from tqdm import tqdm
@@ -122,8 +130,10 @@ class Trainer:
                 bar = tqdm(total=total, initial=self.state.step, desc="polyrl", unit="step", dynamic_ncols=True)
             # 2. the loop
             while self.state.step < total:
+                doing, where = f"at step {self.state.step + 1}", None
                 last = self.step()
                 L.check_lifeline()
+                doing, where = f"while logging step {self.state.step}", run_dir.path
                 run_dir.log(last)
                 if bar is not None:
                     bar.set_postfix(reward=f"{last['reward/mean']:.3f}", loss=f"{last.get('loss/policy', 0.0):.4f}",
@@ -132,6 +142,7 @@ class Trainer:
                 # 3. periodic and final saves
                 step = self.state.step
                 if (self.cfg.trainer.save_every > 0 and step % self.cfg.trainer.save_every == 0) or step == total:
+                    doing, where = f"while saving step {step}", run_dir.checkpoints
                     self.save(run_dir.checkpoints, log)
         except TrainingAborted:
             raise
@@ -141,11 +152,17 @@ class Trainer:
             # abandoned: only complete ones are ever loaded.
             signum = L.stop_signal()
             if signum is None and not isinstance(exc, KeyboardInterrupt):
-                raise
+                # a fault of the machine: one line, what to do, where the same command resumes; else a bug
+                line = (_out_of_memory(self, doing) if isinstance(exc, torch.OutOfMemoryError)
+                        else fault_line(exc, doing, where))
+                if line is None:
+                    raise
+                raise TrainingAborted(f"{line} and rerun: the same command {resume_point(run_dir.checkpoints)}") from exc
             signum = signum or 2  # None: a KeyboardInterrupt raised by Python's own handler
             raise RunStopped(signum, stopped_message(L.signal_name(signum), self.state.step,
                                                      run_dir.checkpoints)) from None
         finally:
+            self.phase = None
             if bar is not None:
                 bar.close()
             if callable(getattr(self.engine, "close", None)):
@@ -169,6 +186,7 @@ class Trainer:
         """collect → prepare_update → update, the LR schedule, the verified sync; the step's metrics."""
         t0 = time.perf_counter()
         exp = self.collect()
+        self.phase = None
         metrics = dict(exp.metrics)
         if exp.batch is not None:
             t1 = time.perf_counter()
@@ -187,7 +205,9 @@ class Trainer:
             if self.models.critic_scheduler is not None:
                 self.models.critic_scheduler.step()
         # the engine generates with the new weights from the next step on (verified: polyrl.core.trainer.sync)
+        self.phase = "weight sync"
         metrics.update(self.sync_engine())
+        self.phase = None
         metrics["train/nonfinite_skipped"] = self.state.counters.nonfinite_skipped
         metrics["train/skipped_no_data"] = int(exp.batch is None)
         self.state.step += 1
@@ -201,7 +221,9 @@ class Trainer:
         """Stage 1: sample and score this step's experience, put the engine to sleep (its memory is the trainer's
         until the sync), then the trainer's views of the sampled tokens: the actor's log-probs (the PPO ratio's
         denominator), the reference's (KL), the critic's values (GAE)."""
+        self.phase = "rollout"
         exp = sample_experience(self.cfg, self.rollout)
+        self.phase = "log-probs"
         sync.sleep(self.engine)
         if exp.batch is None:
             return exp
@@ -245,10 +267,12 @@ class Trainer:
         skipped = self.state.counters.nonfinite_skipped
         metrics: dict[str, float] = {}
         if self.critic is not None:
+            self.phase = "critic update"
             metrics.update(update_critic(self.cfg, self.critic, inputs))
             metrics["critic/explained_var"] = _explained_variance(inputs.values, inputs.returns, inputs.batch.mask)
         actor_updated = self.state.step >= self.cfg.algorithm.critic_warmup_steps
         if actor_updated:
+            self.phase = "update"
             metrics.update(update_actor(self.cfg, self.actor, inputs))
         metrics["time/update_s"] = time.perf_counter() - t0
         return UpdateMetrics(metrics, actor_updated, self.state.counters.nonfinite_skipped - skipped)
@@ -281,6 +305,39 @@ class Trainer:
         local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for mod in mods for p in mod.parameters()]
         ok = all(bool(torch.isfinite(t).all()) for t in local)
         return bool(D.all_reduce_(torch.tensor(float(not ok)), "max").item() == 0.0)
+
+
+def _out_of_memory(trainer: Trainer, doing: str) -> str:
+    """Device memory ran out in ``trainer.phase``: the micro-batch size in use, the recipe key to lower, and what
+    the dry-run plan predicted for that phase (``polyrl.core.plan``; omitted when it cannot be made)."""
+    cfg, phase = trainer.cfg, trainer.phase or "step"
+    said: list[str] = []  # in parentheses after the cause
+    if phase == "rollout":
+        seqs = cfg.data.batch_size // D.get_world_size() * cfg.rollout.n  # this rank's sequences of a batch
+        size = cfg.rollout.micro_batch_size if 0 < cfg.rollout.micro_batch_size < seqs else seqs
+        said.append(f"rollout.micro_batch_size={cfg.rollout.micro_batch_size}: {size} sequences generated together")
+        todo, peak = f"set rollout.micro_batch_size lower (e.g. {max(1, size // 2)})", "rollout"
+    elif phase in ("log-probs", "update", "critic update"):
+        tokens = cfg.algorithm.micro_batch_tokens
+        said.append(f"algorithm.micro_batch_tokens={tokens}")
+        todo = f"lower algorithm.micro_batch_tokens (e.g. {max(1, tokens // 2)})" + (
+            "" if cfg.trainer.activation_checkpointing else " or set trainer.activation_checkpointing=true")
+        peak = "critic update" if phase == "critic update" else "update"
+    else:
+        todo, peak = "see the memory plan: polyrl run RECIPE --dry-run", ""
+    try:
+        from polyrl.core.plan import plan_memory
+
+        world = D.get_world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        plan = plan_memory(cfg, trainer.backend, nproc=local, nnodes=max(1, world // local),
+                           vocab_size=getattr(getattr(trainer.models.actor, "config", None), "vocab_size", None))
+        if peak in plan.phases:
+            said.append(f"the dry-run plan predicted a peak of {plan.phases[peak]:.2f} GiB in the {peak}, "
+                        f"{plan.usable_gib:.1f} GiB usable")
+    except Exception:  # the plan is a hint: the line stands without it
+        pass
+    return f"device out of memory in the {phase} {doing}{' (' + '; '.join(said) + ')' if said else ''}; {todo}"
 
 
 def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
