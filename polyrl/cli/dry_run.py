@@ -4,7 +4,9 @@ Validates the recipe (types, cross-field checks, the data file when it is there,
 collective library accepts), resolves the backend by name *without its hardware* (a cuda plan is made on a
 machine without a GPU), and prints the resolved config and the per-device memory plan
 (:mod:`polyrl.core.plan`). Nothing is written, nothing is downloaded. A placement whose plan does not fit
-raises ``BadInputError`` with one line saying what to change (exit 2), after the plan itself is printed.
+raises ``BadInputError`` with one line saying what to change (exit 2), after the plan itself is printed, and
+the smallest placement that fits (``polyrl.core.plan.placement``: nodes of ``--nproc`` devices and
+``sharding.expert_parallel``), or what blocks every placement a run accepts, with how much.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def dry_run(cfg: Any, *, nproc: int = 1, nnodes: int = 1, as_json: bool = False,
     from polyrl.core.distributed.sharding import check_placement
     from polyrl.core.errors import BadInputError
     from polyrl.core.plan import plan_memory
+    from polyrl.core.plan.placement import find_placement
     from polyrl.core.trainer.setup import build_task
 
     backend = plan_backend(cfg.backend.name)
@@ -54,12 +57,25 @@ def dry_run(cfg: Any, *, nproc: int = 1, nnodes: int = 1, as_json: bool = False,
             vocab = len(build_tiny_tokenizer(task.vocab()))
     plan = plan_memory(cfg, backend, nproc=nproc, nnodes=nnodes, device_memory_gib=device_memory_gib,
                        vocab_size=vocab)
+    # A placement that does not fit: the smallest one that does (nodes of --nproc devices, expert parallelism),
+    # or what blocks every one a run accepts, and by how much.
+    placement = None if plan.fits else find_placement(cfg, backend, nproc=nproc, device_memory_gib=device_memory_gib,
+                                                      vocab_size=vocab)
     if as_json:
-        sys.stdout.write(json.dumps({"config": cfg.to_dict(), "memory_plan": plan.to_dict()}, indent=1) + "\n")
+        doc = {"config": cfg.to_dict(), "memory_plan": plan.to_dict()}
+        if placement is not None:
+            doc["placement"] = placement.to_dict()
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
         sys.stdout.write(dump_config(cfg))
         sys.stdout.write("".join(f"# {line}\n" for line in plan.text().splitlines()))
+        if placement is not None:
+            sys.stdout.write("".join(f"# placement: {line}\n" for line in placement.text().splitlines()))
     sys.stdout.flush()
-    if not plan.fits:
-        raise BadInputError(plan.advice())
+    if placement is not None:
+        head = placement.text().splitlines()[0]
+        if not placement.fits:
+            raise BadInputError(f"{plan.advice()}; {head}")
+        raise BadInputError(f"memory plan: needs {plan.peak_gib:.1f} GiB per device, {plan.usable_gib:.1f} GiB usable "
+                            f"on {plan.device} ({plan.backend}) with {plan.world_size} device(s); {head}")
     return 0

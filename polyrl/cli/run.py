@@ -101,16 +101,14 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
     """Validate what needs no process group (bad input: exit 2), lock the run directory until the last worker has
     ended (rank 0 recognises its launcher as the holder), run ``--nproc`` torchrun workers, say how it ended."""
     from polyrl.core.distributed.launch import launch_torchrun
-    from polyrl.core.distributed.sharding import check_placement
     from polyrl.core.run.checkpoint import check_resume
     from polyrl.core.run.directory import RunLock, check_unlocked
     from polyrl.core.run.outcome import last_logged_step, resume_point, stopped_message
-    from polyrl.core.trainer.setup import build_task
+    from polyrl.core.trainer.setup import check_before_launch
 
     out = _output(args)
     check_unlocked(out)  # a live run there: refuse before the setup below
-    build_task(cfg)
-    check_placement(cfg, backend, args.nproc)  # world size, sharding settings, equal shares of the prompts
+    check_before_launch(cfg, backend, args.nproc)  # task and data, checkpoint formats, world size, sharding
     check_resume(out / "checkpoints", args.resume_from)  # a refused checkpoint: one line, before any worker
     argv = ["run", args.recipe, *args.overrides, "--output", str(out)]  # every rank writes the same directory
     for flag, value in (("--backend", args.backend), ("--seed", args.seed), ("--resume-from", args.resume_from)):

@@ -26,7 +26,8 @@ def check_config(cfg: RunConfig) -> None:
     for name, value in (("data.batch_size", cfg.data.batch_size), ("rollout.n", ro.n),
                         ("algorithm.ppo_epochs", alg.ppo_epochs), ("algorithm.mini_batch_size", alg.mini_batch_size),
                         ("rollout.max_response_length", ro.max_response_length),
-                        ("trainer.total_steps", cfg.trainer.total_steps)):
+                        ("trainer.total_steps", cfg.trainer.total_steps),
+                        ("sharding.expert_parallel", cfg.sharding.expert_parallel)):
         if value < 1:
             raise BadInputError(f"{name}: expected an integer >= 1, got {value}")
     if alg.adv_estimator == "grpo" and ro.n < 2:

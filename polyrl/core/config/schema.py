@@ -174,6 +174,10 @@ class ShardingConfig:
     cpu_offload: bool = False
     # Free gathered layer weights after forward (less memory, one more all-gather in backward).
     reshard_after_forward: bool = True
+    # Expert parallelism: the MoE experts of each layer split over groups of this many ranks (each rank holds
+    # num_experts / N of them; tokens travel to them by all-to-all), FSDP2 over world / N for the experts and
+    # over the whole world for everything else. 1: no expert parallelism (FSDP2 gathers whole MoE layers).
+    expert_parallel: int = 1
 
 
 @dataclass

@@ -81,6 +81,15 @@ def check_sharding(backend: Backend, world_size: int, settings: ShardingConfig) 
         )
     for field in ("param_dtype", "reduce_dtype"):
         torch_dtype(getattr(policy, field), what=f"backend {backend.name!r} sharding policy {field}")
+    ep = settings.expert_parallel
+    if ep < 1:
+        raise BadInputError(f"sharding.expert_parallel: expected an integer >= 1, got {ep}")
+    if ep > 1 and world_size > 1 and not settings.enabled:
+        raise BadInputError(f"sharding.expert_parallel={ep} needs sharding.enabled=true (the experts are split by "
+                            "FSDP2's device mesh)")
+    if ep > 1 and world_size % ep:
+        raise BadInputError(f"sharding.expert_parallel={ep} must divide the world size ({world_size} processes: "
+                            "--nproc x --nnodes)")
     if world_size > 1 and settings.enabled:
         missing = missing_fsdp2_methods()
         if missing:
@@ -126,31 +135,62 @@ def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig 
     world_size = dist.get_world_size()
     check_sharding(backend, world_size, settings)
     policy = backend.sharding_policy()
-    mesh = init_device_mesh(backend.device_type, (world_size,))
     kwargs = {
-        "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=torch_dtype(policy.param_dtype, what=f"backend {backend.name!r} sharding policy param_dtype"),
             reduce_dtype=torch_dtype(policy.reduce_dtype, what=f"backend {backend.name!r} sharding policy reduce_dtype"),
         ),
         "offload_policy": CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy(),
+        "reshard_after_forward": settings.reshard_after_forward,
     }
     # Any dtype cast happens before this point (build_models builds in the recipe's dtype): after fully_shard the
     # parameters are DTensors, and on NPU torch_npu's dtype cast (_npu_dtype_cast) has no DTensor rule.
     layers = decoder_layers(model)
     if not layers:
         raise BadInputError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    units: list[nn.Module] = []
+    ep = settings.expert_parallel
+    if ep > 1:
+        from polyrl.core.distributed.expert_parallel import shard_experts
+
+        # 2-D mesh (efsdp, ep), row-major: an ep group is ep consecutive ranks (one node's fast links when ep
+        # divides the devices per node). The experts are DTensors Shard(0) over "ep"; fully_shard over "efsdp"
+        # adds its own sharding on top and reduces their gradients over "efsdp" only: the ranks that hold the
+        # same experts. Must come before the layers' fully_shard, which then leaves the experts to their unit.
+        expert_mesh = _expert_mesh(backend.device_type, world_size, ep)
+        experts = shard_experts(model, backend, expert_mesh["ep"])
+        if not experts:
+            raise BadInputError(f"sharding.expert_parallel={ep}: {type(model).__name__} has no MoE experts to split")
+        for module in experts:
+            fully_shard(module, mesh=expert_mesh["efsdp"], **kwargs)
+        units += experts
+    mesh = init_device_mesh(backend.device_type, (world_size,))
     for layer in layers:
-        fully_shard(layer, reshard_after_forward=settings.reshard_after_forward, **kwargs)
-    fully_shard(model, reshard_after_forward=settings.reshard_after_forward, **kwargs)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     # Sum gradients over ranks instead of FSDP's default mean: each rank's loss is already its share of
     # the global loss (local token sum / global token count, A.aggregate with the all-reduced count), so
     # the same loss code gives the same gradient with 1 or N processes.
-    for module in [*layers, model]:
+    for module in [*units, *layers, model]:
         module.set_gradient_divide_factor(1.0)
         if policy.force_sum_reduction:  # the backend's collective library has no PREMUL_SUM (gloo, HCCL)
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+_EXPERT_MESHES: dict[tuple, object] = {}
+
+
+def _expert_mesh(device_type: str, world_size: int, ep: int):
+    """The (efsdp, ep) mesh, one per process group: the actor, the reference and the critic share its groups
+    (each new group costs the collective library its own buffers on every rank)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (dist.group.WORLD, device_type, world_size, ep)  # the group itself: a new process group, new meshes
+    if key not in _EXPERT_MESHES:
+        _EXPERT_MESHES[key] = init_device_mesh(device_type, (world_size // ep, ep), mesh_dim_names=("efsdp", "ep"))
+    return _EXPERT_MESHES[key]
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float | None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """``build_model``: a causal LM from a local checkpoint directory or from a named preset (random init).
 
-No network: a name is either an existing directory (``from_pretrained``) or a preset of
+No network: a name is either an existing directory (``from_pretrained``; a published MXFP4 or block-FP8
+checkpoint is dequantized to ``dtype`` at load, :mod:`polyrl.core.models.checkpoint_formats`) or a preset of
 :mod:`polyrl.core.models.presets`; anything else is refused with the list of presets.
 """
 
@@ -11,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from polyrl.core.models.checkpoint_formats import load_dequantized, read_format
 from polyrl.core.models.presets import PRESETS, check_overrides, model_config, preset_names
 
 if TYPE_CHECKING:
@@ -59,12 +61,17 @@ def build_model(
     experts = {"experts_implementation": experts_implementation or hf_experts.NAME}
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
+        quantized = read_format(path)  # a foreign quantization is refused here, before anything is read
         config = AutoConfig.from_pretrained(path)
         check_overrides(type(config), overrides, f"checkpoint {path!r}")
         config = AutoConfig.from_pretrained(path, **overrides) if overrides else config
-        model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, attn_implementation=attn_implementation, dtype=dtype, **experts
-        )
+        if quantized is not None:
+            model = load_dequantized(path, quantized, config, dtype=dtype, attn_implementation=attn_implementation,
+                                     **experts)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, config=config, attn_implementation=attn_implementation, dtype=dtype, **experts
+            )
         if vocab_size is not None and vocab_size != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(vocab_size)
         hf_attention.bind_backend(model, backend)

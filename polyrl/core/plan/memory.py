@@ -55,11 +55,15 @@ def architecture_config(cfg: RunConfig, name: str | None = None, overrides: dict
         if os.path.isdir(name):
             from transformers import AutoConfig
 
-            config = AutoConfig.from_pretrained(name, local_files_only=True)
+            from polyrl.core.models.checkpoint_formats import read_format, strip_quantization
+
+            quantized = read_format(name)  # a foreign quantization: refused here as in a run
+            config = strip_quantization(AutoConfig.from_pretrained(name, local_files_only=True))
             check_overrides(type(config), overrides, f"checkpoint {name!r}")
             for key, value in overrides.items():
                 setattr(config, key, value)
-            return config, f"checkpoint {name}"
+            loads = f": {quantized.describe(cfg.model.dtype)}" if quantized else ""
+            return config, f"checkpoint {name}{loads}"
         if name in PRESETS:
             return model_config(name, **overrides), f"preset {name}"
         if cfg.model.preset is not None:
@@ -79,33 +83,69 @@ class ModelCount:
     largest_layer: int  # the largest decoder layer (one FSDP2 unit)
     root: int  # what is not in a decoder layer: embeddings, final norm, LM head
     layers: int
+    # the routed experts' parameters (fused 3-D [E, ...] tensors) of each decoder layer (0 for a dense layer)
+    layer_experts: tuple[int, ...] = ()
+    num_experts: int = 0  # experts of an MoE layer (0: none)
+    layer_params: tuple[int, ...] = ()  # parameters of each decoder layer
+
+    def gathered_layer(self, ep: int = 1) -> int:
+        """Parameters of the largest decoder layer as FSDP2 gathers it: everything, except that with expert
+        parallelism over ``ep`` ranks a rank gathers only its ``1/ep`` of the layer's experts."""
+        if not self.layer_experts:
+            return self.largest_layer
+        return max(n - e + e // ep for n, e in zip(self.layer_params, self.layer_experts))
+
+
+# Meta-device models by config (JSON text): a placement search plans the same architecture many times.
+_META_MODELS: dict[str, Any] = {}
+_COUNTS: dict[tuple[str, bool], ModelCount] = {}
+
+
+def _config_key(config: Any) -> str:
+    return config.to_json_string(use_diff=False) if hasattr(config, "to_json_string") else repr(config)
 
 
 def meta_model(config: Any) -> Any:
-    """The causal LM of ``config`` on the meta device: shapes and structure, no storage, no download."""
+    """The causal LM of ``config`` on the meta device: shapes and structure, no storage, no download (kept for
+    the next call with the same config; callers only read it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    key = _config_key(config)
+    if key not in _META_MODELS:
+        if len(_META_MODELS) >= 4:
+            _META_MODELS.pop(next(iter(_META_MODELS)))
+        with torch.device("meta"):
+            _META_MODELS[key] = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    return _META_MODELS[key]
 
 
 def count_parameters(config: Any, *, lm_head: bool = True, model: Any = None) -> ModelCount:
     """Count the parameters of the causal LM of ``config`` (``model``: its :func:`meta_model`, built here when
     None). ``lm_head=False``: the critic's trunk (its LM head is replaced by a value head of H + 1 parameters)."""
+    from polyrl.core.distributed.expert_parallel import experts_modules
     from polyrl.core.distributed.sharding import decoder_layers
 
+    key = (_config_key(config), lm_head)
+    if key in _COUNTS:
+        return _COUNTS[key]
     model = meta_model(config) if model is None else model
     total = sum(p.numel() for p in model.parameters())
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in decoder_layers(model)]
+    layers = decoder_layers(model)
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    experts = [[m for _, _, m in experts_modules(layer)] for layer in layers]
+    per_layer_experts = tuple(sum(p.numel() for m in ms for p in m.parameters()) for ms in experts)
+    num_experts = max((int(m.num_experts) for ms in experts for m in ms), default=0)
     if not lm_head:
         head = model.get_output_embeddings()
         shared = head is not None and head.weight is model.get_input_embeddings().weight
         if head is not None and not shared:
             total -= sum(p.numel() for p in head.parameters())
         total += config.hidden_size + 1
-    return ModelCount(total=total, largest_layer=max(per_layer, default=0), root=total - sum(per_layer),
-                      layers=len(per_layer))
+    _COUNTS[key] = ModelCount(total=total, largest_layer=max(per_layer, default=0), root=total - sum(per_layer),
+                              layers=len(per_layer), layer_experts=per_layer_experts, num_experts=num_experts,
+                              layer_params=tuple(per_layer))
+    return _COUNTS[key]
 
 
 # --- activations per token and layer ------------------------------------------------------------------------------
@@ -257,8 +297,9 @@ _KNOB = {
     SHARE_ROW: "set rollout.engine=hf (generation on the trainer's model) or add devices",
     WEIGHTS_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
     "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
-    "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; a layer that does not fit gathered "
-                               "needs expert/tensor parallelism, which polyrl does not have yet",
+    "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; an MoE layer that does not fit gathered "
+                               "needs sharding.expert_parallel (each rank gathers only its share of the experts)",
+    "expert all-to-all buffers": "lower algorithm.micro_batch_tokens",
     "reference model": "turn the KL terms off or add devices",
 }
 
@@ -327,12 +368,23 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     rows["gradients"] = rows["parameters"]
     rows["optimizer state (2 Adam states)"] = 2 * rows["parameters"]
     rows["master weights"] = 0.0  # the sharded parameters are the master copy (no separate one)
+    ep = cfg.sharding.expert_parallel if sharded else 1
+    if ep > 1:
+        if not actor.num_experts:
+            raise BadInputError(f"sharding.expert_parallel={ep}: {config.model_type} has no MoE experts to split")
+        if actor.num_experts % ep or world % ep:
+            raise BadInputError(f"sharding.expert_parallel={ep} must divide the number of experts "
+                                f"({actor.num_experts}) and the world size ({world})")
+        notes.append(f"expert parallelism: groups of {ep} ranks, {actor.num_experts // ep} of {actor.num_experts} "
+                     f"experts per device and MoE layer, FSDP2 over {world // ep} for the experts")
     gathered = 0.0
     if sharded:
         layers_held = actor.layers if not cfg.sharding.reshard_after_forward else 2
-        gathered = (actor.root + layers_held * actor.largest_layer) * c
+        # with expert parallelism a rank gathers only its own experts (FSDP2 over world / ep)
+        layer = actor.gathered_layer(ep)
+        gathered = (actor.root + layers_held * layer) * c
         # gradients of a layer in backward before their reduce-scatter (compute dtype + the reduce dtype)
-        gathered += actor.largest_layer * (c + red)
+        gathered += layer * (c + red)
     ref_bytes = 0.0
     if alg.use_kl_in_reward or alg.use_kl_loss:
         params["reference"] = actor.total
@@ -387,6 +439,14 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         logits = (tokens * V + 2 * response_tokens * V) * c + chunk * V * 4
         logprob_path = f"full logits [T, V] + chunked fp32 log-prob ({chunk} rows)"
     rows["activations (one micro-batch)"] = act / GIB
+    if ep > 1:
+        # One MoE layer's exchange at a time: its k rows per token sorted for sending, received, grouped by local
+        # expert, and the expert outputs on their way back; at balanced routing a rank receives as many rows as
+        # it sends (an unbalanced router sends some rank more: up to ep times as many).
+        k = int(getattr(config, "num_experts_per_tok", 1) or 1)
+        rows["expert all-to-all buffers"] = 4 * tokens * k * config.hidden_size * c / GIB
+        notes.append("expert all-to-all buffers: at balanced routing (one rank receives tokens x k rows per MoE "
+                     "layer); an unbalanced router sends a rank more")
     rows["log-prob path (logits)"] = logits / GIB
     if critic_cfg is not None:  # the critic's update runs before the actor's: its own activations, no logits
         crit = [activation_bytes_per_token(critic_cfg, k, c, native) for k in _layer_types(critic_cfg)]
@@ -432,12 +492,13 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     phases = {
         "rollout": static - rows["gradients"] * (not offload) + rollout,
         "update": static + rows["gathered layers (FSDP2)"] + rows["activations (one micro-batch)"]
-        + rows["log-prob path (logits)"] + resident,
+        + rows["log-prob path (logits)"] + resident + rows.get("expert all-to-all buffers", 0.0),
     }
     # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq)
     phases["optimizer step"] = static + rows["parameters"] + resident
     if critic_cfg is not None:
-        phases["critic update"] = static + rows["gathered layers (FSDP2)"] + rows["critic activations"] + resident
+        phases["critic update"] = (static + rows["gathered layers (FSDP2)"] + rows["critic activations"] + resident
+                                   + rows.get("expert all-to-all buffers", 0.0))
     return MemoryPlan(
         backend=backend.name, device=device, device_memory_gib=capacity, nproc=nproc, nnodes=nnodes,
         world_size=world, sharded=sharded, engine=engine,

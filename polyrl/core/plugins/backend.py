@@ -316,6 +316,47 @@ class Backend:
             rule = policy.world_size_rule or f"{self.collective_backend} refuses world sizes {list(refused)}"
             raise BadInputError(f"backend {self.name!r}: world size {world_size} is refused: {rule}")
 
+    # --- expert parallelism (MoE) ---------------------------------------------------------------
+    # The MoE layers of an expert-parallel model (``sharding.expert_parallel`` > 1) send each token to the ranks
+    # holding its experts and bring the results back through these three methods. The defaults are
+    # torch.distributed's ``all_to_all_single`` with variable split sizes (NCCL, HCCL and gloo all have it) and
+    # the permutations of polyrl.core.distributed.expert_parallel around it; a backend with a fused MoE
+    # dispatch/combine (one kernel that permutes and communicates) overrides ``expert_dispatch`` and
+    # ``expert_combine`` together, keeping their contract (that module's ``dispatch`` / ``combine``).
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int] | None,
+        input_split_sizes: list[int] | None,
+        group: Any = None,
+    ) -> None:
+        """``output`` <- the rows every rank of ``group`` sends this one: row block r of ``input`` (sizes
+        ``input_split_sizes``, None: equal) goes to rank r; blocks arrive in rank order (``output_split_sizes``).
+        Not differentiable by itself (the MoE layer wraps it in autograd)."""
+        import torch.distributed as dist
+
+        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    def expert_dispatch(self, hidden: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
+                        group: Any = None) -> Any:
+        """Send each of the ``k`` copies of every token (hidden [T, H], expert_ids [T, k] global expert indices) to
+        the rank of ``group`` holding its expert (rank r holds experts [r * E/ep, (r + 1) * E/ep)). Returns an
+        ``ExpertDispatch``: the rows this rank's experts must compute, grouped by local expert in ascending order,
+        with their local expert ids, and what ``expert_combine`` needs to bring them back. Differentiable in
+        ``hidden``. ``group`` None: one rank holds every expert (the rows are only permuted)."""
+        from polyrl.core.distributed.expert_parallel import dispatch
+
+        return dispatch(self, hidden, expert_ids, num_experts=num_experts, group=group)
+
+    def expert_combine(self, expert_out: torch.Tensor, dispatched: Any, weights: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``expert_dispatch``: ``expert_out`` (one row per dispatched row, in its order) goes back
+        to the tokens' ranks, where each token's ``k`` rows are weighted by ``weights`` [T, k] and summed, in
+        fp32 or wider when ``weights`` is, into [T, H] of the tokens' dtype. Differentiable in both tensors."""
+        from polyrl.core.distributed.expert_parallel import combine
+
+        return combine(self, expert_out, dispatched, weights)
+
     # --- device placement ----------------------------------------------------------------------
     # The one place that decides where things live (core never compares device types). The rule, for every
     # built-in backend (docs/devices.md): models, training batches, scores, masks and advantages live on

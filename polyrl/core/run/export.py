@@ -95,22 +95,33 @@ def build_model_from_metadata(meta_dir: Path) -> nn.Module:
 
 
 def export_checkpoint(
-    checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "float32"
+    checkpoint: str | os.PathLike[str], out_dir: str | os.PathLike[str], *, dtype: str = "auto"
 ) -> Path:
-    """Write the actor of ``checkpoint`` (a step dir, a checkpoints dir or a run dir) to ``out_dir``.
+    """Write the actor of ``checkpoint`` (a step dir, a checkpoints dir or a run dir) to ``out_dir``; or, given a
+    published checkpoint directory in MXFP4 or block FP8, that model dequantized (shard by shard).
 
-    Refuses a non-empty ``out_dir`` (BadInputError) rather than mixing two models' files, and a checkpoint
-    that fails verification (``polyrl.core.run.integrity``), naming the file and the newest earlier
-    checkpoint that verifies; it never exports that one in its place.
+    ``dtype``: "auto" is the dtype the run trained in (its config's ``dtype``), bfloat16 for a published
+    directory; or float32 / bfloat16 / float16. Refuses a non-empty ``out_dir`` (BadInputError) rather than
+    mixing two models' files, and a checkpoint that fails verification (``polyrl.core.run.integrity``), naming
+    the file and the newest earlier checkpoint that verifies; it never exports that one in its place.
     """
+    from polyrl.core.models.checkpoint_formats import dequantize_checkpoint, dequantized_bytes, read_format
 
-    step_dir = resolve_checkpoint(checkpoint)
-    meta_dir = find_metadata(step_dir)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise BadInputError(f"output directory {str(out)!r} is not empty")
-    out_dtype = torch_dtype(dtype, what="export dtype")  # checked before anything is read or written
-    model = build_model_from_metadata(meta_dir)
+    if dtype != "auto":
+        torch_dtype(dtype, what="export dtype")  # checked before anything is read or written
+    source = Path(checkpoint)
+    if source.is_dir() and read_format(source) is not None:
+        float_dtype = torch_dtype("bfloat16" if dtype == "auto" else dtype)
+        with writing_whole(out, dequantized_bytes(source, float_dtype), "the export"):
+            return dequantize_checkpoint(source, out, float_dtype)
+    step_dir = resolve_checkpoint(checkpoint)
+    meta_dir = find_metadata(step_dir)
+    model = build_model_from_metadata(meta_dir)  # parses config.json: a broken one is refused there
+    trained = json.loads((meta_dir / "config.json").read_text()).get("dtype") or "float32"
+    out_dtype = torch_dtype(trained if dtype == "auto" else dtype, what="export dtype")
     try:
         load_model_weights(step_dir, model)  # verified before a weight is touched
     except CheckpointRefused as exc:

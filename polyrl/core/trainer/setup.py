@@ -148,6 +148,17 @@ def build_kl_controller(cfg: RunConfig) -> Any:
     return A.FixedKLController(alg.kl_coef)
 
 
+def check_before_launch(cfg: RunConfig, backend: Any, world_size: int) -> None:
+    """What the ``--nproc`` launcher refuses before any worker starts (bad input: one line, exit 2, from one
+    process): the task and its data, the checkpoints' formats, the placement on ``world_size`` processes."""
+    from polyrl.core.distributed.sharding import check_placement
+    from polyrl.core.models.checkpoint_formats import check_formats
+
+    build_task(cfg)
+    check_formats(cfg.model.name, cfg.model.critic_name)
+    check_placement(cfg, backend, world_size)
+
+
 @dataclasses.dataclass
 class Components:
     """What ``Trainer.__init__`` builds from the config (:func:`build_components`)."""
