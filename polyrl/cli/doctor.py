@@ -1,4 +1,4 @@
-"""``polyrl doctor [--backend NAME] [--json]``: is this machine's stack consistent?
+"""``polyrl doctor [--backend NAME] [--selfcheck] [--json]``: is this machine's stack consistent?
 
 Asks every backend for its rows of the compatibility table (``Backend.compatibility()``: the distributions to
 report, facts read from the machine, rules), reads installed versions from package metadata — never by importing
@@ -6,6 +6,11 @@ a vendor module, since a broken install would take doctor down with it — and r
 (:mod:`polyrl.core.compat`) plus each backend's. Also reported as problems: a backend whose kernel paths do not
 resolve, one whose ``detect()`` or ``compatibility()`` raises, and plugins that failed to load. Exit 0 healthy,
 1 problems, 2 bad input.
+
+``--selfcheck`` (with ``--backend``) then runs the backend's self-check on its device (``Backend.selfcheck_module``,
+``python -m`` in a child process, its lines printed as they come; ascend: polyrl.backends.ascend.selfcheck). A backend
+that is not available here is reported "not run", never as passed; the exit code is 1 when the check fails or
+cannot run.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check installed versions against polyrl's compatibility table")
     p.add_argument("--backend", default=None, help="check only this backend")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--selfcheck", action="store_true",
+                   help="also run the backend's self-check on its device (needs --backend)")
 
 
 def _rows(backend: Backend) -> tuple[compat.Compatibility, str]:
@@ -92,21 +99,59 @@ def diagnose(backend_filter: str | None = None) -> dict:
     return report
 
 
+def selfcheck(backend_name: str, *, capture: bool) -> dict:
+    """Run ``backend_name``'s self-check module in a child process where the backend is available."""
+    import os
+    import subprocess
+
+    backend = get_registry().backends[backend_name]
+    module = backend.selfcheck_module
+    if not module:
+        raise BadInputError(f"--selfcheck: backend {backend_name!r} has no self-check")
+    avail = backend.availability()
+    if not avail.available:
+        return {"module": module, "status": "not run", "returncode": None,
+                "reason": f"backend {backend_name} is not available: {avail.reason}", "output": []}
+    proc = subprocess.run([sys.executable, "-m", module], env=dict(os.environ), text=True,
+                          capture_output=capture)
+    return {"module": module, "status": "pass" if proc.returncode == 0 else "FAIL", "returncode": proc.returncode,
+            "reason": "", "output": (proc.stdout + proc.stderr).splitlines() if capture else []}
+
+
 def main(args: argparse.Namespace) -> int:
+    if args.selfcheck and args.backend is None:
+        raise BadInputError("--selfcheck needs --backend NAME (the backend whose device to check)")
     report = diagnose(args.backend)
+    if args.selfcheck:
+        if not args.json:  # the self-check's own lines come after the report, as they are printed
+            _print(report)
+            sys.stdout.flush()
+        report["selfcheck"] = check = selfcheck(args.backend, capture=args.json)
+        report["healthy"] = report["healthy"] and check["status"] == "pass"
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(f"self-check {check['module']}: {check['status']}" + (f" ({check['reason']})" if check["reason"] else ""))
+            print("healthy" if report["healthy"] else "problems found")
+        return 0 if report["healthy"] else 1
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for b in report["backends"]:
-            state = "available" if b["available"] else f"not available: {b['reason']}"
-            origin = " ".join(x for x in (b["distribution"], b["version"]) if x) or "registered in-process"
-            print(f"[{b['name']}] ({origin}) {state}")
-            for comp, ver in b["components"].items():
-                print(f"    {comp:<14} {ver or '-'}")
-            for p in b["problems"]:
-                print(f"    PROBLEM {p['message']}\n        advice: {p['advice']}")
-        for n in report["not_loaded"]:
-            if n["failed"]:
-                print(f"[plugin {n['name']}] ({n['distribution'] or '-'}) FAILED to load: {n['reason']}")
+        _print(report)
         print("healthy" if report["healthy"] else "problems found")
     return 0 if report["healthy"] else 1
+
+
+def _print(report: dict) -> None:
+    """The human-readable report (without the verdict line)."""
+    for b in report["backends"]:
+        state = "available" if b["available"] else f"not available: {b['reason']}"
+        origin = " ".join(x for x in (b["distribution"], b["version"]) if x) or "registered in-process"
+        print(f"[{b['name']}] ({origin}) {state}")
+        for comp, ver in b["components"].items():
+            print(f"    {comp:<14} {ver or '-'}")
+        for p in b["problems"]:
+            print(f"    PROBLEM {p['message']}\n        advice: {p['advice']}")
+    for n in report["not_loaded"]:
+        if n["failed"]:
+            print(f"[plugin {n['name']}] ({n['distribution'] or '-'}) FAILED to load: {n['reason']}")

@@ -1,8 +1,9 @@
 """``--emulate``: run a backend's real code on the CPU against an emulator of its vendor library.
 
 Only the ascend backend has one today: :func:`enable_emulation("ascend") <enable_emulation>` switches the backend
-to CPU mode (``POLYRL_ASCEND_ON_CPU=1``: the host is its device, gloo its collective library) and places the
-packaged emulator of the documented torch_npu API (polyrl.emulation.npu) in ``sys.modules["torch_npu"]``.
+to CPU mode (``POLYRL_ASCEND_ON_CPU=1``: the host is its device), registers its collective library — gloo behind
+HCCL's rules (polyrl.emulation.hccl: the dtypes, reduce ops and world sizes HCCL refuses, with its error text) —
+and places the packaged emulator of the documented torch_npu API (polyrl.emulation.npu) in ``sys.modules["torch_npu"]``.
 Everything else — the attention route, the sink detection, the guards, the trainer — is the code that would run
 on an NPU. An emulated run proves those code paths against the documented API; it says nothing about an NPU.
 
@@ -39,9 +40,11 @@ def enable_emulation(backend_name: str | None) -> None:
         )
     from polyrl.backends.ascend import ON_CPU_ENV
     from polyrl.core.plugins.selection import reset_active_backend
+    from polyrl.emulation import hccl
     from polyrl.emulation.npu import NpuEmulator
 
     os.environ[ON_CPU_ENV] = "1"
+    hccl.register()
     current = sys.modules.get("torch_npu")
     if getattr(current, "__polyrl_emulator__", None) is None:
         if current is not None:

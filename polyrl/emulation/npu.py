@@ -24,11 +24,17 @@ something). What it emulates:
   before launch with its wording: ``sink=`` needs CANN 8.5.0 ("The param sink is not supported in this CANN
   version, ..."), ``softmax_layout="TND"`` without sink CANN 8.3.RC1;
 - ``sink=``: fp32 [head_num], unscaled, with its own gradient; on an emulated Ascend 950
-  (``soc_version="Ascend950..."``) the forward drops it and the backward uses it, as op-plugin does there;
+  (``soc_version="Ascend950..."``) with op-plugin 26.0.0 or later (torch_npu 2.7.1.post4 / 2.8.0.post4 /
+  2.9.0.post2 / 2.10.0 on) the forward drops it and the backward uses it, as op-plugin does there (its 7.x
+  branches have no Ascend 950 path: they check CANN's kernels as on any chip);
 - the documented limits: at most 1024 sequences per call, T <= 1M, D <= 768, Nq <= 256, Nq % Nkv == 0,
   Dq == Dk >= Dv, and float32 inputs only from CANN 8.2.RC1;
-- autograd like the real op: gradients flow to query/key/value/sink through ``npu_fusion_attention_grad``,
-  and gradients arriving at softmax_max / softmax_sum are ignored (the outputs are non-differentiable);
+- autograd like the real op (op-plugin's derivatives.yaml): gradients flow to query/key/value/sink through
+  ``npu_fusion_attention_grad``; softmax_max / softmax_sum are differentiable outputs
+  (``output_differentiability: [true, true, true, true, ...]``: they require grad) whose gradients the formula
+  never reads — a loss through them trains nothing, silently, as on the device;
+- MoE: ``npu_grouped_matmul`` and no ``torch._grouped_mm`` for the ascend backend's experts
+  (polyrl.emulation.npu_moe);
 - ``npu_fusion_attention_grad`` recomputes the probabilities from the GIVEN softmax_max / softmax_sum and
   takes ``rowsum(dy * attention_in)`` from the GIVEN attention_in — which is what makes the LSE-correction
   route for sinks (polyrl.backends.ascend.attention) testable here.
@@ -48,6 +54,11 @@ import types
 from typing import Any
 
 import torch
+
+from polyrl.emulation.npu_moe import npu_grouped_matmul, refuse_grouped_mm, restore_grouped_mm
+from polyrl.emulation.npu_releases import RELEASES, release_at_least, release_of
+
+__all__ = ["RELEASES", "NpuEmulator", "emulated_ascend_backend", "install_emulator", "release_at_least", "release_of"]
 
 MAX_TOCKENS = 2147483647
 COMPRESSED_MASK_SIZE = 2048
@@ -342,8 +353,8 @@ def _backward(g: _Geometry, query, key, value, dy, row_max, row_sum, attention_i
 
 
 class _FusionAttention(torch.autograd.Function):
-    """The forward op as autograd sees it on the device: its backward is the grad op, and the two
-    softmax statistics are non-differentiable outputs (gradients sent to them are dropped)."""
+    """The forward op as autograd sees it on the device: its backward is the grad op; the two softmax statistics
+    are differentiable outputs whose gradients the backward drops (op-plugin's derivatives.yaml)."""
 
     @staticmethod
     def forward(ctx, query, key, value, sink, forward_sink, g: _Geometry, softmax_layout: str, n_kv: int):
@@ -353,7 +364,8 @@ class _FusionAttention(torch.autograd.Function):
         ssum = _stats_out(row_sum, g.cum_q, softmax_layout, n_kv)
         ctx.save_for_backward(query, key, value, sink, out, row_max, row_sum)
         ctx.g = g
-        ctx.mark_non_differentiable(smax, ssum)
+        # op-plugin: output_differentiability [true, true, true, true, ...]: the statistics require grad, and
+        # backward below never reads the gradients they receive
         return out, smax, ssum
 
     @staticmethod
@@ -364,34 +376,6 @@ class _FusionAttention(torch.autograd.Function):
 
 
 # --- the emulated module ---------------------------------------------------------------------------
-# Which release of Ascend Extension for PyTorch (TorchNPU) a torch_npu version belongs to, as far as these two ops'
-# signatures go (op_plugin/config/op_plugin_functions.yaml on op-plugin's 7.1.0, 7.2.0 and 7.3.0 branches):
-#   up to 7.1.0: neither softmax_layout nor sink; the grad op returns 4 tensors (dq, dk, dv, dpse);
-#   7.2.0: softmax_layout="" on both ops;
-#   7.3.0 on: sink=None on both ops; the grad op returns 5 tensors (dsink last).
-RELEASES = ("7.1.0", "7.2.0", "7.3.0")
-_FIRST_OF_RELEASE: dict[str, dict[tuple[int, int], str]] = {
-    "7.3.0": {(2, 6): "2.6.0.post5", (2, 7): "2.7.1.post2", (2, 8): "2.8.0.post2"},
-    "7.2.0": {(2, 6): "2.6.0.post3", (2, 7): "2.7.1", (2, 8): "2.8.0"},
-}
-
-
-def release_of(version: str) -> str:
-    """The TorchNPU release of a torch_npu version ('2.9.0' and later: 7.3.0 or newer, same signatures)."""
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        v = Version(version)
-    except InvalidVersion:
-        return RELEASES[0]
-    if v >= Version("2.9.0"):
-        return "7.3.0"
-    for release in ("7.3.0", "7.2.0"):
-        first = _FIRST_OF_RELEASE[release].get((v.major, v.minor))
-        if first is not None and v >= Version(first):
-            return release
-    return RELEASES[0]
-
 
 class NpuEmulator:
     """One emulated torch_npu release on one chip. ``module`` is what lands in ``sys.modules["torch_npu"]``.
@@ -414,33 +398,44 @@ class NpuEmulator:
 
     @property
     def supports_sink(self) -> bool:
-        return self.release >= "7.3.0"
+        return release_at_least(self.release, "7.3.0")
 
     @property
     def supports_softmax_layout(self) -> bool:
-        return self.release >= "7.2.0"
+        return release_at_least(self.release, "7.2.0")
 
     @property
     def is_950(self) -> bool:
         return self.soc_version.lower().startswith("ascend950")
+
+    @property
+    def has_950_path(self) -> bool:
+        """op-plugin's Ascend 950 branch (one aclnn kernel, the forward without sink=): from 26.0.0, on a 950."""
+        return self.is_950 and release_at_least(self.release, "26.0.0")
 
     # The two documented ops. Keywords a release does not have are refused as Python refuses them.
     def npu_fusion_attention(
         self, query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
         scale=1.0, keep_prob=1.0, pre_tockens=MAX_TOCKENS, next_tockens=MAX_TOCKENS, inner_precise=0,
         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
-        sync=False, softmax_layout=_UNSET, sink=_UNSET,
+        sync=False, softmax_layout=_UNSET, sink=_UNSET, dropout_mask=_UNSET, seed=_UNSET, offset=_UNSET,
     ):
         op = "npu_fusion_attention"
         softmax_layout, sink = self._gate_keywords(op, softmax_layout, sink)
+        for name, given in (("dropout_mask", dropout_mask), ("seed", seed), ("offset", offset)):
+            if given is not _UNSET and not release_at_least(self.release, "26.0.0"):
+                raise TypeError(f"{op}() got an unexpected keyword argument '{name}' "
+                                f"(emulated torch_npu {self.version}, TorchNPU {self.release})")
+        if dropout_mask not in (_UNSET, None):
+            raise NotImplementedError("npu emulator: dropout_mask (dropout) is not emulated")
         cann = _cann_tuple(self.cann_version)
         _check_common(query, key, value, head_num, input_layout, pse, padding_mask, prefix, keep_prob, cann)
         sink = _check_sink(sink, head_num)
         self._check_kernel_available(op, sink, softmax_layout, cann, "aclnnFlashAttentionVarLenScore")
         g = _geometry(head_num, query, key, scale, actual_seq_qlen, actual_seq_kvlen, atten_mask, sparse_mode,
                       pre_tockens, next_tockens)
-        # Ascend 950: op-plugin calls aclnnFlashAttentionScoreV4 with no sink (the backward still gets it).
-        forward_sink = None if self.is_950 else sink
+        # Ascend 950 (op-plugin 26.0.0 on): aclnnFlashAttentionScoreV4 with no sink (the backward still gets it).
+        forward_sink = None if self.has_950_path else sink
         self._record(op, g, scale=scale, sink=sink is not None, softmax_layout=softmax_layout,
                      actual_seq_qlen=list(actual_seq_qlen), actual_seq_kvlen=list(actual_seq_kvlen))
         out, smax, ssum = _FusionAttention.apply(query, key, value, sink, forward_sink, g, softmax_layout,
@@ -507,7 +502,7 @@ class NpuEmulator:
     def _check_kernel_available(self, op: str, sink, softmax_layout: str, cann, kernel: str) -> None:
         """op-plugin's checks before it launches (FlashAttentionKernelNpuOpApi.cpp, chips before Ascend 950):
         sink= needs the V5 aclnn kernel (CANN 8.5.0), softmax_layout="TND" without sink the V4 one (8.3.RC1)."""
-        if self.is_950:
+        if self.has_950_path:
             return  # one kernel (aclnnFlashAttentionScoreV4 / GradV4) takes every argument there
         if sink is not None and cann < SINK_FROM_CANN:
             raise RuntimeError(f"The param sink is not supported in this CANN version, {kernel}V5 is not available")
@@ -526,6 +521,7 @@ class NpuEmulator:
         mod.__polyrl_emulator__ = self
         mod.npu_fusion_attention = self.npu_fusion_attention
         mod.npu_fusion_attention_grad = self.npu_fusion_attention_grad
+        mod.npu_grouped_matmul = npu_grouped_matmul  # polyrl.emulation.npu_moe
         npu = types.ModuleType("torch_npu.npu")
         npu.utils = types.ModuleType("torch_npu.npu.utils")
         npu.utils.get_cann_version = self.get_cann_version
@@ -543,6 +539,7 @@ class NpuEmulator:
         for name, sub in self._submodules().items():
             self._saved[name] = sys.modules.get(name)
             sys.modules[name] = sub
+        self._grouped_mm = refuse_grouped_mm()  # no torch._grouped_mm on the emulated NPU
         return self
 
     def uninstall(self) -> None:
@@ -552,6 +549,8 @@ class NpuEmulator:
             else:
                 sys.modules[name] = previous
         self._saved.clear()
+        restore_grouped_mm(getattr(self, "_grouped_mm", {}))
+        self._grouped_mm = {}
 
     def __enter__(self) -> NpuEmulator:
         return self

@@ -31,9 +31,9 @@ def test_without_the_emulator_nothing_is_claimed(monkeypatch):
     assert not report.ok and any(c.status == NOT_RUN for c in report.checks)
 
 
-def test_ascend_declares_its_native_attention():
+def test_ascend_declares_its_native_attention_and_experts():
     described = AscendBackend().describe()
-    assert described["native_kernels"] == ["varlen_attention"]
+    assert described["native_kernels"] == ["experts", "varlen_attention"]
     assert "varlen_attention" not in described["kernels_fallback"]
 
 
@@ -56,7 +56,7 @@ def test_import_and_backends_command_do_not_import_torch_npu():
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     assert data["torch_npu"] == []
-    assert data["native"] == ["varlen_attention"]
+    assert data["native"] == ["experts", "varlen_attention"]
     assert data["ascend_available"] is False  # no NPU here; the emulator is never installed by polyrl itself
 
 

@@ -15,6 +15,7 @@ from polyrl.backends.ascend import attention as npu_attention
 from polyrl.backends.ascend.attention import SINK_ENV, detect_sink_mode, split_calls
 from polyrl.backends.ascend.chip import SOC_ENV
 from polyrl.core.attention import varlen_attention
+from polyrl.core.config.schema import ShardingConfig
 from polyrl.core.errors import BadInputError
 from polyrl.core.tolerances import check_close
 from polyrl.emulation import npu as npu_emulator
@@ -140,7 +141,7 @@ def test_ascend_950_takes_the_lse_route_and_forcing_native_there_is_wrong(monkey
     monkeypatch.delenv(SINK_ENV, raising=False)
     inputs, cu, s, d_out = _case([4, 5], hq=4, hkv=2)
     expected = _run("cpu", inputs, cu, s, d_out)
-    with install_emulator("2.9.0", soc_version="Ascend950PR") as emu:
+    with install_emulator("2.9.0.post2", soc_version="Ascend950PR") as emu:  # op-plugin 26.0.0: its 950 path
         mode, reason = detect_sink_mode(emu.module)
         assert mode == "lse" and "950" in reason
         assert _all_close(_run(emulated_ascend_backend(), inputs, cu, s, d_out), expected)
@@ -167,11 +168,11 @@ def test_fsdp2_methods_are_feature_detected(monkeypatch, method):
     from polyrl.backends.cpu import CpuBackend
     from polyrl.core.distributed.sharding import check_sharding
 
-    check_sharding(CpuBackend(), 2, None)
+    check_sharding(CpuBackend(), 2, ShardingConfig())
     monkeypatch.delattr(FSDPModule, method)
     with pytest.raises(BadInputError, match=f"FSDP2 has no {method}.*--nproc 1"):
-        check_sharding(CpuBackend(), 2, None)
-    check_sharding(CpuBackend(), 1, None)  # a single process does not shard
+        check_sharding(CpuBackend(), 2, ShardingConfig())
+    check_sharding(CpuBackend(), 1, ShardingConfig())  # a single process does not shard
 
 
 # --- CPU mode ----------------------------------------------------------------------------------------
@@ -184,5 +185,6 @@ def test_cpu_mode_is_the_real_backend_on_the_host(monkeypatch):
     assert not backend.detect().available  # no stand-in importable
     with install_emulator():
         assert backend.detect().available and "not an NPU" in backend.detect().reason
-        assert (backend.device_type, backend.collective_backend, backend.device(3)) == ("cpu", "gloo",
+        # gloo behind HCCL's rules (polyrl.emulation.hccl)
+        assert (backend.device_type, backend.collective_backend, backend.device(3)) == ("cpu", "hccl_emulated",
                                                                                           torch.device("cpu"))

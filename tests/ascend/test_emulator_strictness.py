@@ -35,8 +35,15 @@ def grad_call(emu: NpuEmulator, t=6, hq=4, hkv=2, d=8, **kw):
 
 
 def test_release_table_follows_the_signature_branches():
-    assert [release_of(v) for v in ("2.6.0", "2.6.0.post3", "2.7.1", "2.8.0.post2", "2.9.0", "2.10.0.post4")] == [
-        "7.1.0", "7.2.0", "7.2.0", "7.3.0", "7.3.0", "7.3.0"]
+    """Ascend/pytorch's version.txt at the release tags: 7.3.0 is 2.8.0.post2 / 2.9.0, 7.3.1 2.9.0.post1 (same ops),
+    26.0.0 2.7.1.post4 / 2.8.0.post4 / 2.9.0.post2 / 2.10.0."""
+    assert [release_of(v) for v in ("2.6.0", "2.6.0.post3", "2.7.1", "2.8.0.post2", "2.9.0", "2.9.0.post1",
+                                    "2.7.1.post4", "2.8.0.post4", "2.9.0.post2", "2.10.0", "2.10.0.post4",
+                                    "2.11.0")] == [
+        "7.1.0", "7.2.0", "7.2.0", "7.3.0", "7.3.0", "7.3.0", "26.0.0", "26.0.0", "26.0.0", "26.0.0", "26.0.0", "26.0.0"]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dropout_mask'"):
+        call(NpuEmulator("2.9.0"), dropout_mask=None)
+    call(NpuEmulator("2.10.0"), dropout_mask=None, seed=0, offset=0)  # 26.0.0's forward has them
 
 
 def test_sink_keyword_does_not_exist_before_7_3_0():
@@ -119,12 +126,19 @@ def test_at_most_1m_tokens(monkeypatch):
     assert npu_emulator.MAX_T == 64 and (1 << 20) == 1048576
 
 
-def test_ascend_950_forward_drops_the_sink():
+def test_ascend_950_forward_drops_the_sink_from_op_plugin_26():
+    """op-plugin's Ascend 950 branch (one aclnn kernel, no sink in the forward) exists from 26.0.0 (torch_npu
+    2.9.0.post2 for torch 2.9); the 7.x branches treat a 950 like any chip."""
     sink = torch.full((4,), 3.0)
     on_910 = call(NpuEmulator(soc_version="Ascend910B3"), sink=sink)[0]
-    on_950 = call(NpuEmulator(soc_version="Ascend950PR"), sink=sink)[0]
-    without = call(NpuEmulator(soc_version="Ascend950PR"))[0]
+    on_950 = call(NpuEmulator("2.9.0.post2", soc_version="Ascend950PR"), sink=sink)[0]
+    without = call(NpuEmulator("2.9.0.post2", soc_version="Ascend950PR"))[0]
     assert torch.equal(on_950, without) and not torch.allclose(on_910.float(), without.float(), atol=1e-2)
+    on_950_73 = NpuEmulator("2.9.0", soc_version="Ascend950PR")
+    assert on_950_73.release == "7.3.0" and torch.equal(call(on_950_73, sink=sink)[0], on_910)
+    with pytest.raises(RuntimeError, match="The param sink is not supported in this CANN version"):
+        call(NpuEmulator("2.9.0", cann_version="8.3.RC1", soc_version="Ascend950PR"), sink=sink)
+
 
 
 def test_statistic_rows_follow_the_kernel_offset_formula():

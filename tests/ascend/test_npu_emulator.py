@@ -114,13 +114,15 @@ def test_default_statistics_are_ordered_per_sequence(npu):
 
 
 def test_autograd_matches_the_dense_formula_and_ignores_statistic_gradients(npu):
+    """op-plugin's derivatives.yaml: softmax_max / softmax_sum are differentiable outputs (they require grad, as on
+    the device) and the formula reads only the output's gradient: a loss term through them changes nothing."""
     q, k, v, gen = make_inputs(4, 2)
     sink = torch.randn(4, generator=gen)
     leaves = [x.clone().requires_grad_() for x in (q, k, v, sink)]
     out, smax, ssum, *_ = call(npu, *leaves[:3], "sparse4", sink=leaves[3])
-    assert not smax.requires_grad and not ssum.requires_grad
+    assert smax.requires_grad and ssum.requires_grad and smax.grad_fn is out.grad_fn
     d_out = torch.randn(out.shape, generator=gen)
-    (out * d_out).sum().backward()
+    ((out * d_out).sum() + 1e3 * smax.sum() + 1e3 * ssum.sum()).backward()
     ref = [x.double().clone().requires_grad_() for x in (q, k, v, sink)]
     exp_out, _ = oracle(*ref[:3], Q_LENS, KV_LENS, scale=0.3, keep=MODES["sparse4"][1], sink=ref[3])
     (exp_out * d_out.double()).sum().backward()

@@ -109,7 +109,8 @@ def test_a_kernel_is_resolved_once_per_backend(monkeypatch):
     assert resolved == []  # nothing imported at build: vendor modules load when a kernel first runs
     _logits(model)
     _logits(model)
-    assert resolved == [CpuBackend.attention_kernel]  # 2 forwards x every layer, one import
+    # 2 forwards x every layer, one import per kernel (attention, then the MoE experts)
+    assert resolved == [CpuBackend.attention_kernel, CpuBackend.experts_kernel]
 
 
 def test_native_kernels_is_a_warning_alias():

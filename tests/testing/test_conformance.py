@@ -396,7 +396,7 @@ def test_declarations_are_checked():
     report = run_conformance(DeclaresNativeKernels(), dtype="float32", cases=ATTENTION_CASES[:1])
     assert _declaration(report, "native_kernels is derived from the kernel slots").status == FAIL
     assert DeclaresNativeKernels().describe()["kernels_fallback"] == ["varlen_attention", "logprobs",
-                                                                      "linear_logprobs"]  # truthful
+                                                                      "linear_logprobs", "experts"]  # truthful
     report = run_conformance(KernelTypo(), dtype="float32")
     check = _declaration(report, "kernel paths resolve")
     assert check.status == FAIL and "has no function 'logprobs_and_entropyy'" in check.detail

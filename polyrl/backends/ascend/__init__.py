@@ -6,10 +6,13 @@
 first call; it has been run only against the CPU emulator of the documented API, never on an NPU here.
 
 CPU mode (``POLYRL_ASCEND_ON_CPU=1``; ``polyrl run/parity --emulate`` sets it, polyrl.emulation): the
-same backend code with the host as its device and gloo as its collective library, so that whole recipes run
+same backend code with the host as its device and, as its collective library, gloo behind HCCL's checks (the
+``hccl_emulated`` process group that polyrl.emulation registers: HCCL's dtypes, reduce ops and world sizes,
+its error text), so that whole recipes run
 against any stand-in module ``torch_npu`` (the packaged emulator, polyrl.emulation.npu). The backend is
 then available whenever a module ``torch_npu`` is importable or already in ``sys.modules``, and of that module
-it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``__version__`` and, where present,
+it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``npu_grouped_matmul`` (MoE experts,
+polyrl.backends.ascend.experts), ``__version__`` and, where present,
 ``npu.utils.get_cann_version`` and ``npu.get_device_name`` (the chip, polyrl.backends.ascend.chip). Nothing in
 CPU mode says anything about an NPU: it proves the backend's code paths against the documented API.
 """
@@ -31,6 +34,14 @@ if TYPE_CHECKING:
     from polyrl.core.compat import Compatibility
 
 ON_CPU_ENV = "POLYRL_ASCEND_ON_CPU"
+# The torch.distributed backend of CPU mode: gloo with HCCL's rules (polyrl.emulation.hccl registers it).
+ON_CPU_COLLECTIVE = "hccl_emulated"
+# What HCCL reduces (ProcessGroupHCCL.cpp checkSupportedDataType, torch_npu v2.9.0-7.3.0): no float64 before
+# Ascend 950, no uint8 / bool. Gathers and broadcasts take every dtype.
+HCCL_REDUCE_DTYPES = frozenset({"int8", "int16", "int32", "int64", "float16", "float32", "bfloat16"})
+HCCL_WORLD_SIZES_REFUSED = (3, 5, 6, 7)
+HCCL_WORLD_SIZE_RULE = ("HCCL's all_gather_into_tensor / reduce_scatter_tensor (FSDP2's collectives) refuse world "
+                        "sizes 3, 5, 6 and 7; use another number of processes (1, 2, 4, 8, ...)")
 
 
 def on_cpu() -> bool:
@@ -41,14 +52,18 @@ def on_cpu() -> bool:
 
 class AscendBackend(Backend):
     name = "ascend"
+    collective_reduce_dtypes = HCCL_REDUCE_DTYPES
     capabilities = frozenset({"bf16", "fp16", "fsdp2", "dcp", "rollout:hf", "rollout:vllm"})
     is_accelerator = True
     # GiB per device for the dry-run memory plan (the nominal HBM; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"910B": 64.0, "910B4": 32.0}
     attention_kernel = "polyrl.backends.ascend.attention:npu_varlen_attention"
+    selfcheck_module = "polyrl.backends.ascend.selfcheck"  # the first run on hardware: polyrl doctor --selfcheck
+    # MoE experts through npu_grouped_matmul (op-plugin has no torch._grouped_mm for the NPU, transformers' default)
+    experts_kernel = "polyrl.backends.ascend.experts:npu_experts"
     # vllm-ascend preferred (rollout.engine: auto) where installed; the hf engine otherwise. Never run here (no
-    # NPU). vllm-ascend's sliding-window attention passes pre_tokens = sliding_window (W + 1 keys where
-    # training uses W): the sync probe measures that mismatch and stops the run (docs/rollout.md).
+    # NPU); its settings per release: polyrl.backends.ascend.rollout (sleep-mode allocator, weight sync without
+    # reload_weights before 0.24, GPT-OSS sinks from 0.15, its sliding-window convention).
     rollout_engines = ("vllm", "hf")
 
     def rollout_engine_problem(self, engine: str) -> str:
@@ -61,12 +76,10 @@ class AscendBackend(Backend):
     def rollout_engine_options(self, engine: str) -> dict[str, Any]:
         if engine != "vllm":
             return {}
-        return {
-            # no NZ (fractal) weight layout: in-place weight updates write plain tensors; the engine core in-process
-            "env": {"VLLM_ASCEND_ENABLE_NZ": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-            "gpu_memory_utilization": 0.6,
-            "sleep_level": 1,  # vllm-ascend supports level 1 only for RL
-        }
+        from polyrl.backends.ascend.compat import installed_vllm_ascend
+        from polyrl.backends.ascend.rollout import vllm_options
+
+        return vllm_options(installed_vllm_ascend())
 
     # The device and the collective library: the NPU and HCCL, or the host and gloo in CPU mode.
     @property
@@ -75,7 +88,7 @@ class AscendBackend(Backend):
 
     @property
     def collective_backend(self) -> str:  # type: ignore[override]
-        return "gloo" if on_cpu() else "hccl"
+        return ON_CPU_COLLECTIVE if on_cpu() else "hccl"
 
     def compatibility(self) -> Compatibility:
         from polyrl.backends.ascend import compat
@@ -106,7 +119,16 @@ class AscendBackend(Backend):
         return self.device(local_rank) if on_cpu() else super().bind_device(local_rank)
 
     def process_group_options(self, local_rank: int = 0) -> dict[str, Any]:
-        return {} if on_cpu() else super().process_group_options(local_rank)
+        if not on_cpu():
+            return super().process_group_options(local_rank)
+        import torch.distributed as dist
+
+        if ON_CPU_COLLECTIVE.upper() not in dist.Backend._plugins:
+            from polyrl.core.errors import BadInputError
+
+            raise BadInputError(f"{ON_CPU_ENV}=1 needs the emulated HCCL process group: run with --emulate "
+                                "(polyrl.emulation.enable_emulation registers it)")
+        return {}
 
     def device_rng_state(self) -> Any:
         return None if on_cpu() else super().device_rng_state()
@@ -128,16 +150,19 @@ class AscendBackend(Backend):
             check_fully_shard_supported()
 
     def sharding_policy(self) -> ShardingPolicy:
+        env = {"HCCL_CONNECT_TIMEOUT": "1200"}
+        # Expandable segments ease fragmentation, but vllm-ascend's sleep mode (CaMemAllocator) asserts they are
+        # off, and the allocator's setting is read once, before the engine is chosen: set only where the vllm
+        # engine cannot run (vllm-ascend not installed).
+        if self.rollout_engine_problem("vllm"):
+            env["PYTORCH_NPU_ALLOC_CONF"] = "expandable_segments:True"
         return ShardingPolicy(
             param_dtype="bfloat16",
             reduce_dtype="float32",
             cpu_offload_supported=True,
-            # HCCL all_gather_into_tensor / reduce_scatter_tensor refuse these world sizes.
-            world_sizes_refused=(3, 5, 6, 7),
-            env_defaults={
-                "PYTORCH_NPU_ALLOC_CONF": "expandable_segments:True",
-                "HCCL_CONNECT_TIMEOUT": "1200",
-            },
+            world_sizes_refused=HCCL_WORLD_SIZES_REFUSED,
+            world_size_rule=HCCL_WORLD_SIZE_RULE,
+            env_defaults=env,
         )
 
 

@@ -1,10 +1,13 @@
 """The ascend backend's rows of the compatibility table (polyrl.core.compat): torch_npu and CANN, vllm-ascend's
-release pairs, and the CANN version read from the toolkit's install files."""
+releases — what each pairs with and what polyrl's rollout relies on in it — and the CANN version read from the
+toolkit's install files."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+from importlib import metadata
 from pathlib import Path
 
 from packaging.version import Version
@@ -15,12 +18,75 @@ COMPONENTS: tuple[str, ...] = ("torch-npu", "vllm-ascend")
 CANN_FACT = "cann"  # the CANN toolkit's version; None when no toolkit was found
 TORCH_CUDA_FACT = "torch cuda"  # contributed by the cuda backend's rows (torch's CUDA version)
 
-# vllm-ascend release -> (CANN, torch / torch_npu base version); vllm-ascend X.Y pairs with vLLM X.Y.
-VLLM_ASCEND_PAIRS: dict[str, tuple[str, str]] = {
-    "0.23": ("9.1.0", "2.10.0"),
-    "0.18": ("8.5.1", "2.9.0"),
-    "0.13": ("8.5.0", "2.8.0"),
+
+
+@dataclasses.dataclass(frozen=True)
+class VllmAscendRelease:
+    """One vllm-ascend release line X.Y (it pairs with vLLM X.Y), as its sources at the tag say — read there,
+    never run here (no NPU): the README's CANN, requirements.txt's torch / torch_npu, and three behaviours the
+    vllm rollout engine adapts to (polyrl.backends.ascend.rollout)."""
+
+    cann: str
+    torch: str  # torch / torch_npu base version
+    # Its attention applies GPT-OSS's learnable sinks: from v0.15.0rc1. v0.13's attention forward takes the sinks
+    # in **kwargs and drops them, so GPT-OSS would roll out from another model than the one trained.
+    gpt_oss_sinks: bool
+    # NPUWorker has reload_weights (from v0.24.0rc1). Without it the weight sync loads through the model's own
+    # load_weights (collective_rpc on the worker), as other RL frameworks do; the engine detects it at run time.
+    reload_weights: bool
+    # Its sliding-window attention passes pre_tokens = sliding_window to the fused attention ops, which keep
+    # pre_tokens + 1 keys (the query included): W + 1 keys where training and vLLM mean W. polyrl then builds
+    # the engine with sliding_window = W - 1 (attention_v1.py, prefill and decode paths, every tag below).
+    pre_tokens_is_sliding_window: bool
+
+
+VLLM_ASCEND_RELEASES: dict[str, VllmAscendRelease] = {
+    "0.24": VllmAscendRelease("9.0.1", "2.10.0", gpt_oss_sinks=True, reload_weights=True,
+                              pre_tokens_is_sliding_window=True),  # v0.24.0rc1
+    "0.23": VllmAscendRelease("9.1.0", "2.10.0", gpt_oss_sinks=True, reload_weights=False,
+                              pre_tokens_is_sliding_window=True),
+    "0.18": VllmAscendRelease("8.5.1", "2.9.0", gpt_oss_sinks=True, reload_weights=False,
+                              pre_tokens_is_sliding_window=True),
+    "0.15": VllmAscendRelease("8.5.0", "2.9.0", gpt_oss_sinks=True, reload_weights=False,
+                              pre_tokens_is_sliding_window=True),  # v0.15.0rc1
+    "0.13": VllmAscendRelease("8.5.0", "2.8.0", gpt_oss_sinks=False, reload_weights=False,
+                              pre_tokens_is_sliding_window=True),
 }
+# vllm-ascend release -> (CANN, torch / torch_npu base version).
+VLLM_ASCEND_PAIRS: dict[str, tuple[str, str]] = {k: (r.cann, r.torch) for k, r in VLLM_ASCEND_RELEASES.items()}
+GPT_OSS_SINKS_FROM = "0.15"
+
+
+def installed_vllm_ascend() -> str | None:
+    """The installed vllm-ascend's version from its metadata (never imported), None when absent."""
+    try:
+        return metadata.version("vllm-ascend")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def vllm_ascend_release(version: str) -> tuple[str, VllmAscendRelease]:
+    """(release line, its facts) for a vllm-ascend version. A line the table does not know takes the facts of the
+    nearest known one below it (the newest for a newer release: the sync probe checks what it assumes), or of the
+    oldest for an older one."""
+    mm = minor(version)
+    key = f"{mm[0]}.{mm[1]}" if mm else ""
+    if key in VLLM_ASCEND_RELEASES:
+        return key, VLLM_ASCEND_RELEASES[key]
+    known = sorted(VLLM_ASCEND_RELEASES, key=Version)
+    below = [k for k in known if mm and Version(k) <= Version(f"{mm[0]}.{mm[1]}")]
+    nearest = below[-1] if below else known[0]
+    return nearest, VLLM_ASCEND_RELEASES[nearest]
+
+
+def vllm_ascend_model_problem(version: str, model_type: str) -> str:
+    """Why vllm-ascend ``version`` cannot serve ``model_type`` for training ("" when it can), one line."""
+    _, release = vllm_ascend_release(version)
+    if model_type == "gpt_oss" and not release.gpt_oss_sinks:
+        return (f"vllm-ascend {version} cannot roll out GPT-OSS: its attention drops the sinks (GPT-OSS sinks from "
+                f"vllm-ascend {GPT_OSS_SINKS_FROM}.0rc1); install vllm-ascend >= {GPT_OSS_SINKS_FROM} or set "
+                "rollout.engine=hf")
+    return ""
 
 _CANN_VERSION_RE = re.compile(r"version\s*[=:]\s*([0-9][0-9A-Za-z.]*)", re.IGNORECASE)
 

@@ -12,8 +12,12 @@ names the case, so the first user with hardware learns at once which assumption 
 
 tests/ascend/test_selfcheck.py runs the same cases on the CPU emulator (which proves the check, not an NPU).
 
+It also runs the MoE experts kernel (polyrl.backends.ascend.experts: ``npu_grouped_matmul`` and the backward
+written with it) on one experts layer of each tiny preset, float32 and bfloat16, against the reference experts.
+
 A route the installed release cannot take (native on a torch_npu without ``sink=``, or on Ascend 950) is reported
-"not run" with the reason, never as passed. It is not wired into ``polyrl doctor`` yet.
+"not run" with the reason, never as passed. ``polyrl doctor --backend ascend --selfcheck`` runs this module (a
+child process) after the compatibility report; docs/ascend.md has the first-run checklist around it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class SelfCheckRow:
     detail: str = ""
 
     def line(self) -> str:
+        if self.route.startswith("experts"):  # "experts gpt_oss_tiny": the MoE experts kernel on one model's layer
+            return f"[{self.status:>7}] {self.route:<30} {self.dtype:<8} {self.detail}"
         w = "causal" if self.window is None else f"window {self.window}"
         return f"[{self.status:>7}] sinks {self.route:<6} {w:<11} {self.dtype:<8} {self.detail}"
 
@@ -117,8 +123,61 @@ def run_self_check(backend: Any = None) -> list[SelfCheckRow]:
     return rows
 
 
+EXPERTS_PRESETS = ("gpt_oss_tiny", "deepseek_v3_tiny")  # GPT-OSS: [E, in, out] weights, biases; DeepSeek: [E, out, in]
+
+
+def _experts_run(module, fn, case, dtype, device) -> list[torch.Tensor]:
+    """Output, d hidden and every weight's gradient of ``fn(module, ...)`` in ``dtype`` on ``device`` (fp32, CPU)."""
+    hidden, top_k_index, top_k_weights, d_out = case
+    h = hidden.to(device, dtype).clone().requires_grad_()
+    out = fn(module, h, top_k_index.to(device), top_k_weights.to(device, dtype))
+    out.backward(d_out.to(device, dtype))
+    return [out.detach().float().cpu(), h.grad.float().cpu(), *(p.grad.float().cpu() for p in module.parameters())]
+
+
+def run_experts_check(backend: Any = None) -> list[SelfCheckRow]:
+    """The MoE experts kernel (npu_grouped_matmul forward, and its written backward: a transposed-weight call and a
+    group_type=2 call) on the first experts module of each tiny preset, against the reference experts (fp32, CPU):
+    output and the gradients of every expert weight and of the input."""
+    import copy
+
+    from polyrl.core.models import build_model
+    from polyrl.core.models.experts import reference_experts
+    from polyrl.core.plugins import list_backends
+
+    backend = backend if backend is not None else list_backends()["ascend"]
+    device = backend.device(0)
+    rows = []
+    for preset in EXPERTS_PRESETS:
+        model = build_model(preset, vocab_size=32, seed=0, backend=list_backends()["cpu"])
+        experts = next(m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "num_experts"))
+        gen = torch.Generator().manual_seed(1)
+        t, k = 24, model.config.num_experts_per_tok
+        hidden = torch.randn(t, model.config.hidden_size, generator=gen)
+        top_k_index = torch.rand(t, experts.num_experts, generator=gen).topk(k, dim=-1).indices
+        top_k_weights = torch.rand(t, k, generator=gen).softmax(-1)
+        d_out = torch.randn(t, model.config.hidden_size, generator=gen)
+
+        case = (hidden, top_k_index, top_k_weights, d_out)
+        expected = _experts_run(copy.deepcopy(experts), reference_experts, case, torch.float32, torch.device("cpu"))
+        for dtype in DTYPES:
+            name = str(dtype).removeprefix("torch.")
+            try:
+                got = _experts_run(copy.deepcopy(experts).to(device, dtype), backend.experts, case, dtype, device)
+            except Exception as exc:  # the op refused the call: that is the finding
+                rows.append(SelfCheckRow(f"experts {preset}", None, name, FAIL, f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            errs = [check_close("experts.forward" if i == 0 else "experts.grad", a, e, dtype)
+                    for i, (a, e) in enumerate(zip(got, expected))]
+            worst = max(err for err, _, _ in errs)
+            ok = all(o for _, _, o in errs)
+            rows.append(SelfCheckRow(f"experts {preset}", None, name, PASS if ok else FAIL,
+                                     f"worst {worst:.1e} (out, dx, {len(got) - 2} weight grads)"))
+    return rows
+
+
 def main() -> int:
-    rows = run_self_check()
+    rows = run_self_check() + run_experts_check()
     for row in rows:
         print(row.line(), flush=True)
     ran = [r for r in rows if r.status != NOT_RUN]

@@ -45,6 +45,9 @@ class DistContext:
 
 
 _comm_device: Any = None  # set by init_distributed from the backend: where collective buffers live
+# Set by init_distributed from the backend (``Backend.collective_reduce_dtypes``): the torch dtypes its collective
+# library reduces; None: every dtype. Another dtype is reduced through a gather (``_all_reduce_by_gather_``).
+_reduce_dtypes: frozenset[Any] | None = None
 
 
 def under_torchrun(env: Mapping[str, str] | None = None) -> bool:
@@ -74,7 +77,7 @@ def init_distributed(backend: Backend, *, timeout_s: float | None = None) -> Dis
     """
     import torch.distributed as dist
 
-    global _comm_device
+    global _comm_device, _reduce_dtypes
     apply_env_defaults(backend)
     if not under_torchrun():
         return DistContext(0, 1, 0, backend.bind_device(0), dist.is_available() and dist.is_initialized())
@@ -86,6 +89,7 @@ def init_distributed(backend: Backend, *, timeout_s: float | None = None) -> Dis
     # Bind the rank to its device first so the collective library does not guess.
     device = backend.bind_device(local_rank)
     _comm_device = backend.comm_device(local_rank)
+    _reduce_dtypes = reduce_dtypes(backend)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend.collective_backend, "rank": rank, "world_size": world_size}
         if timeout_s is not None:
@@ -159,15 +163,37 @@ def shard_for_rank(items: Sequence[Any], rank: int | None = None, world_size: in
 
 
 # --- collectives ---------------------------------------------------------------------------------------
+def reduce_dtypes(backend: Backend) -> frozenset[Any] | None:
+    """The torch dtypes ``backend``'s collective library reduces (None: all), from its declaration."""
+    import torch
+
+    names = getattr(backend, "collective_reduce_dtypes", None)
+    if not names:
+        return None
+    dtypes = {n: getattr(torch, n, None) for n in names}
+    unknown = sorted(n for n, d in dtypes.items() if not isinstance(d, torch.dtype))
+    if unknown:
+        raise BadInputError(f"backend {backend.name!r}: collective_reduce_dtypes names no torch dtype: {unknown}")
+    return frozenset(dtypes.values())
+
+
 def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce (sum | max | min | avg) over the default group; identity without one."""
+    """In-place all-reduce (sum | max | min | avg) over the default group; identity without one.
+
+    A dtype the backend's collective library does not reduce (``Backend.collective_reduce_dtypes``: HCCL has no
+    float64 before Ascend 950) never reaches its all-reduce: it is reduced through a gather instead
+    (:func:`_all_reduce_by_gather_`), with the same result. Callers keep their float64 sums and counts."""
     import torch.distributed as dist
 
     if not is_distributed():
         return tensor
     ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    if op not in (*ops, "avg"):
+        raise ValueError(f"all_reduce_: unknown op {op!r} (sum | max | min | avg)")
     work = _on_comm_device(tensor)
-    if op == "avg":
+    if _reduce_dtypes is not None and work.dtype not in _reduce_dtypes:
+        _all_reduce_by_gather_(work, op)
+    elif op == "avg":
         dist.all_reduce(work, op=dist.ReduceOp.SUM)
         work.div_(dist.get_world_size())
     else:
@@ -175,6 +201,41 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     if work is not tensor:
         tensor.copy_(work)
     return tensor
+
+
+# Same-width integer dtypes that carry a float's bits through a gather unchanged (a gather moves bytes; HCCL's
+# all-gather takes every dtype, but an integer carrier keeps even that assumption out of the way).
+_BIT_CARRIERS = {"float64": "int64", "float32": "int32", "float16": "int16", "bfloat16": "int16"}
+
+
+def _all_reduce_by_gather_(tensor: torch.Tensor, op: str) -> None:
+    """All-reduce ``tensor`` in place without a reduction of its dtype: every rank gathers every rank's exact
+    bits and reduces them itself, in rank order, in the tensor's own dtype.
+
+    Why not a float32 (hi, lo) pair: a pair carries 48 significant bits, not float64's 53, and the all-reduce
+    of the hi parts rounds in float32, so it is exact only for small integers. The gather is exact for every
+    value: the sum of two ranks is bit-identical to a float64 all-reduce (addition commutes), and with more
+    ranks it differs from one only by summation order (within a few float64 ulps). Every rank computes the same
+    sum from the same bits in the same order, so the ranks agree bit for bit. The cost is world_size copies of
+    the tensor, nothing for the scalars and small metric vectors reduced this way."""
+    import torch
+    import torch.distributed as dist
+
+    flat = tensor.detach().reshape(-1).contiguous()
+    carrier = _BIT_CARRIERS.get(str(flat.dtype).removeprefix("torch."))
+    sent = flat.view(getattr(torch, carrier)) if carrier else flat
+    parts = [torch.empty_like(sent) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, sent)
+    values = [p.view(flat.dtype) for p in parts]
+    if op in ("max", "min"):
+        out = torch.stack(values).amax(0) if op == "max" else torch.stack(values).amin(0)
+    else:
+        out = values[0].clone()
+        for v in values[1:]:  # rank order: the same additions on every rank
+            out += v
+        if op == "avg":
+            out /= len(values)
+    tensor.copy_(out.view_as(tensor))
 
 
 def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
@@ -188,7 +249,8 @@ def _on_comm_device(tensor: torch.Tensor) -> torch.Tensor:
 def all_reduce_metrics(
     metrics: Mapping[str, float], *, op: str = "avg", device: Any = None, ops: Mapping[str, str] | None = None
 ) -> dict[str, float]:
-    """Reduce a flat dict of scalars over ranks: one fp64 all-reduce per distinct op.
+    """Reduce a flat dict of scalars over ranks: one fp64 all-reduce per distinct op (``all_reduce_``: through a
+    gather where the backend's collective library has no fp64 reduction).
 
     ``ops`` overrides the reduction per key (e.g. ``{"time/step_s": "max"}``). Every rank must pass the
     same keys (sorted here so the tensor layout matches). Returns plain floats on every rank.

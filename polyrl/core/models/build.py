@@ -40,7 +40,8 @@ def build_model(
             "gpt_oss_20b", "gpt_oss_120b", "deepseek_v3").
         vocab_size: embedding rows (presets: set in the config; checkpoints: embeddings resized if different).
         attn_implementation: "polyrl" (default), "eager", ...
-        experts_implementation: transformers' MoE experts implementation (None: its default).
+        experts_implementation: transformers' MoE experts implementation (None: "polyrl", the experts kernel of
+            the bound backend, polyrl.core.models.experts; "grouped_mm", "batched_mm", "eager": transformers' own).
         dtype: parameter dtype.
         overrides: config fields to change (any field of the model's config; unknown ones are refused).
         seed: seeds the random init of a preset without touching the global RNG state.
@@ -54,12 +55,14 @@ def build_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     import polyrl.core.attention.hf as hf_attention
+    import polyrl.core.models.experts as hf_experts
     from polyrl.core.plugins.selection import backend_for
 
     hf_attention.register()  # idempotent: "polyrl" must be known before the model checks its implementation
+    hf_experts.register()
     backend = backend_for(backend)
     overrides = dict(overrides or {})
-    experts = {"experts_implementation": experts_implementation} if experts_implementation else {}
+    experts = {"experts_implementation": experts_implementation or hf_experts.NAME}
     path = os.fspath(name_or_path)
     if os.path.isdir(path):
         quantized = read_format(path)  # a foreign quantization is refused here, before anything is read

@@ -11,7 +11,8 @@ gradients (same), Adam(W)'s two states (same dtype as the parameters: torch keep
 the gathered layers (FSDP2 holds the root unit — embeddings, LM head — and two decoder layers unsharded in
 the backend's compute dtype while they run), the reference model (KL) and the critic (GAE), activations
 saved for backward at the token budget of one micro-batch, the log-prob path (full [T, V] logits, or the
-fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: its KV cache and its prefill logits.
+fused op's fp32 tiles, ``model.fused_logprobs``), and the rollout: the hf engine's KV cache and prefill logits,
+or an engine with its own weights and share of the device (vLLM, polyrl.core.plan.rollout).
 
 Activation bytes per token and layer are linear in the architecture's dimensions; the coefficients below were
 measured on the CPU (saved-tensor hooks over one decoder layer, bf16 and fp32, several widths; the test
@@ -30,6 +31,7 @@ from polyrl.core.config import RunConfig
 from polyrl.core.data.packing import micro_batch_token_bound
 from polyrl.core.errors import BadInputError
 from polyrl.core.models.lm_head import uses_fused_logprobs
+from polyrl.core.plan.rollout import SHARE_ROW, WEIGHTS_ROW, vllm_plan
 
 GIB = 2**30
 # Fraction of a device's memory the plan lets a run use: the rest is the runtime's context, the collective
@@ -222,6 +224,8 @@ class MemoryPlan:
     rows: dict[str, float]  # item -> GiB per device
     phases: dict[str, float]  # phase -> GiB per device at its peak
     notes: list[str]
+    # why the rollout engine cannot start whatever the rest holds (vLLM: its own weights overflow its share)
+    engine_problem: str = ""
 
     @property
     def peak_gib(self) -> float:
@@ -233,7 +237,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak_gib <= self.usable_gib
+        return self.peak_gib <= self.usable_gib and not self.engine_problem
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -258,11 +262,15 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "does NOT fit"
         lines.append(f"  peak {self.peak_gib:.2f} GiB of {self.usable_gib:.2f} GiB usable "
                      f"({HEADROOM:.0%} of {self.device_memory_gib:g}): {verdict}")
+        if self.engine_problem:
+            lines.append(f"  rollout engine does NOT fit: {self.engine_problem}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def advice(self) -> str:
         """One line: what to change so that the placement fits."""
+        if self.engine_problem and self.peak_gib <= self.usable_gib:
+            return f"memory plan: {self.engine_problem}"
         need = self.peak_gib
         # Sharded state shrinks with the world size; what does not (activations, gathered layers, rollout) stays.
         state = sum(self.rows[k] for k in _SHARDED if k in self.rows) if self.sharded or self.world_size == 1 else 0.0
@@ -286,7 +294,8 @@ _KNOB = {
     "critic activations": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens",
     "log-prob path (logits)": "set model.fused_logprobs=auto or lower algorithm.micro_batch_tokens",
     "rollout KV cache": "set rollout.micro_batch_size",
-    "rollout engine (reserved)": "set rollout.engine=hf (generation on the trainer's model) or add devices",
+    SHARE_ROW: "set rollout.engine=hf (generation on the trainer's model) or add devices",
+    WEIGHTS_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
     "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
     "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; an MoE layer that does not fit gathered "
                                "needs sharding.expert_parallel (each rank gathers only its share of the experts)",
@@ -446,6 +455,7 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
 
     # --- the rollout ---
     resident = 0.0  # what the rollout engine keeps on the device while the trainer updates
+    engine_problem = ""
     if engine == "hf":  # the trainer's model generates: KV cache and logits of the sequences generated together
         per_device = math.ceil(data.batch_size / world) * ro.n
         together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
@@ -459,11 +469,18 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         notes.append(f"rollout: {together} sequences generated together per device "
                      f"({per_device} per step; rollout.micro_batch_size bounds it)")
         rollout = rows["gathered layers (FSDP2)"] + rows["rollout KV cache"] + rows["rollout prefill logits"]
-    else:  # an engine of its own (vLLM): what it reserves of the device, as its backend configures it
+    elif engine == "vllm":  # its own weights inside its share of the device (polyrl.core.plan.rollout)
+        vllm = vllm_plan(backend, params=actor.total, dtype_bytes=s, capacity_gib=capacity,
+                         kv_bytes_per_token=kv_cache_bytes_per_token(config, s),
+                         window=getattr(config, "sliding_window", None), longest=longest)
+        rows.update(vllm.rows)
+        notes.append(vllm.note)
+        rollout, resident, engine_problem = vllm.awake_gib, vllm.asleep_gib, vllm.problem
+    else:  # an engine of its own (a plugin's): what it reserves of the device, as its backend configures it
         options = backend.rollout_engine_options(engine)
         fraction = options.get("gpu_memory_utilization")
         reserved = float(fraction) * capacity if fraction else 0.0
-        rows["rollout engine (reserved)"] = reserved
+        rows[SHARE_ROW] = reserved
         notes.append(f"rollout engine {engine}: " + (
             f"reserves {fraction:g} of the device (weights + KV cache)" if fraction else
             "sizes its own memory (not counted here)"))
@@ -488,4 +505,5 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         architecture=f"{config.model_type}, {actor.layers} layers, vocab {V}"
         + (", activation checkpointing" if ckpt else ""),
         attention=attention, logprob_path=logprob_path, params=params, rows=rows, phases=phases, notes=notes,
+        engine_problem=engine_problem,
     )

@@ -4,8 +4,8 @@ A backend is a small class, registered through the ``polyrl_register_backends`` 
 construct and must not touch a device in ``__init__`` or ``detect``: detection reads what is installed
 and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
-Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel`` and
-``linear_logprobs_kernel`` are ``"module:function"`` paths, imported on a backend object's first call of that
+Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel``,
+``linear_logprobs_kernel`` and ``experts_kernel`` are ``"module:function"`` paths, imported on a backend object's first call of that
 kernel and kept on the object (``Backend.kernel``), so vendor modules load only when a kernel runs and never again
 per call. A slot left at its default runs the reference implementation in core. ``provided_kernels()`` is derived
 from the slots — a kernel is provided when its slot names another function than the reference (or the method is
@@ -32,13 +32,14 @@ if TYPE_CHECKING:
 
 # The kernels a backend may provide, the class attribute naming each, and the reference implementation in core
 # that runs when the slot is left at its default.
-KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs")
+KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs", "experts")
 KERNEL_SLOTS: dict[str, str] = {"varlen_attention": "attention_kernel", "logprobs": "logprobs_kernel",
-                                "linear_logprobs": "linear_logprobs_kernel"}
+                                "linear_logprobs": "linear_logprobs_kernel", "experts": "experts_kernel"}
 REFERENCE_KERNELS: dict[str, str] = {
     "varlen_attention": "polyrl.core.attention.reference:reference_varlen_attention",
     "logprobs": "polyrl.core.algorithms.logprobs:logprobs_and_entropy",
     "linear_logprobs": "polyrl.core.algorithms.linear_logprobs:linear_logprobs_and_entropy",
+    "experts": "polyrl.core.models.experts:reference_experts",
 }
 
 # The capability vocabulary (docs/plugins.md): what each name in ``Backend.capabilities`` promises. Names outside
@@ -161,13 +162,15 @@ class ShardingPolicy:
 
     ``param_dtype``/``reduce_dtype`` are torch dtype names ("float32", "bfloat16") so that the policy is
     printable and comparable without importing torch. ``world_sizes_refused`` lists world sizes the
-    collective library cannot handle (HCCL refuses 3, 5, 6, 7 for all_gather_into_tensor).
+    collective library cannot handle (HCCL refuses 3, 5, 6, 7 for all_gather_into_tensor), and
+    ``world_size_rule`` says which rule refuses them (the refusal's message names it).
     """
 
     param_dtype: str = "float32"
     reduce_dtype: str = "float32"
     cpu_offload_supported: bool = True
     world_sizes_refused: tuple[int, ...] = ()
+    world_size_rule: str = ""
     env_defaults: dict[str, str] = dataclasses.field(default_factory=dict)
     # FSDP reduces gradients with plain SUM instead of PREMUL_SUM (gloo and HCCL have no PREMUL_SUM; with the
     # divide factor 1.0 polyrl uses, the two are the same reduction, so SUM is the safe default everywhere).
@@ -180,6 +183,11 @@ class Backend:
     name: ClassVar[str] = ""
     device_type: ClassVar[str] = "cpu"  # torch device type: "cpu", "cuda", "npu", ...
     collective_backend: ClassVar[str] = "gloo"  # torch.distributed backend name
+    # The dtypes its collective library reduces (all_reduce, reduce_scatter), as torch dtype names ("float32",
+    # "int64"); empty: every dtype. polyrl.core.distributed never hands one of its reductions another dtype: it
+    # reduces those (float64 sums and counts) exactly through a gather, which moves any dtype. Its world sizes:
+    # ``ShardingPolicy.world_sizes_refused``.
+    collective_reduce_dtypes: ClassVar[frozenset[str]] = frozenset()
     capabilities: ClassVar[frozenset[str]] = frozenset()  # names from CAPABILITIES (docs/plugins.md)
     rollout_engines: ClassVar[tuple[str, ...]] = ("hf",)
     # Selection picks a backend implicitly only when it is an accelerator (cuda, ascend, a ROCm plugin); a
@@ -195,6 +203,14 @@ class Backend:
     # "module:function" of the fused lm_head + log-prob + entropy kernel, with the signature of
     # polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy (the default: that chunked reference).
     linear_logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["linear_logprobs"]
+    # "module:function" of the MoE experts kernel, with the signature of
+    # polyrl.core.models.experts.reference_experts (the default: transformers' grouped_mm path, torch._grouped_mm).
+    experts_kernel: ClassVar[str] = REFERENCE_KERNELS["experts"]
+
+    # A module ``polyrl doctor --backend NAME --selfcheck`` runs as ``python -m <module>`` (in a child process: it
+    # may import the vendor library) where the backend is available: it checks on the device what the backend's
+    # kernels assume (exit 0: every case passed). "" : the backend has none.
+    selfcheck_module: ClassVar[str] = ""
 
     # Memory of one device in GiB by device model, for the dry-run memory plan (read without the hardware; the
     # first entry is the model assumed when none is named). ``polyrl run --dry-run --device-memory GIB`` overrides.
@@ -278,6 +294,14 @@ class Backend:
         return self.kernel("linear_logprobs")(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
                                               temperature=temperature, compute_entropy=compute_entropy)
 
+    def experts(self, module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A transformers MoE experts module's forward (``module``: GptOssExperts, DeepseekV3NaiveMoe, ... with
+        its fused 3-D expert weights) on hidden_states [T, H] routed by top_k_index / top_k_weights [T, k] ->
+        [T, H] (contract: polyrl.core.models.experts). Runs ``experts_kernel``; a model built by polyrl reaches it
+        through transformers' experts implementation ``"polyrl"``."""
+        return self.kernel("experts")(module, hidden_states, top_k_index, top_k_weights)
+
     # --- sharding / environment ---------------------------------------------------------------
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy()
@@ -286,12 +310,11 @@ class Backend:
         """Refuse world sizes the collective library cannot handle, with a clear message."""
         from polyrl.core.errors import BadInputError
 
-        refused = self.sharding_policy().world_sizes_refused
+        policy = self.sharding_policy()
+        refused = policy.world_sizes_refused
         if world_size in refused:
-            raise BadInputError(
-                f"backend {self.name!r}: world size {world_size} is not supported by "
-                f"{self.collective_backend} (refused sizes: {list(refused)})"
-            )
+            rule = policy.world_size_rule or f"{self.collective_backend} refuses world sizes {list(refused)}"
+            raise BadInputError(f"backend {self.name!r}: world size {world_size} is refused: {rule}")
 
     # --- expert parallelism (MoE) ---------------------------------------------------------------
     # The MoE layers of an expert-parallel model (``sharding.expert_parallel`` > 1) send each token to the ranks

@@ -1,0 +1,71 @@
+"""The transformers experts implementation ``"polyrl"``: MoE experts run the kernel of the model's backend.
+
+transformers runs the experts of its MoE models (GPT-OSS, DeepSeek-V3, Qwen-MoE, ...) through a named
+implementation (``config._experts_implementation``: ``grouped_mm``, its default where torch has it;
+``batched_mm``; ``eager``). Not every device has what the default needs: torch_npu registers no
+``torch._grouped_mm`` for the NPU. So, as for attention, ``build_model`` builds models with ``"polyrl"``, whose
+forward hands the experts module to the backend bound to the model (polyrl.core.attention.hf.bind_backend):
+``Backend.experts`` runs the backend's ``experts_kernel`` — the reference below, or a backend's own (the ascend
+backend: ``npu_grouped_matmul``). Rebinding a model to another backend switches its experts with its attention.
+
+Contract of an experts kernel ``fn(module, hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
+[T, H]`` in hidden_states' dtype: the forward of transformers' experts module ``module`` (its fused 3-D
+weights ``gate_up_proj`` / ``up_proj`` and ``down_proj``, optional biases, ``_apply_gate`` / ``act_fn``, and the
+layout flags ``is_transposed``, ``has_gate``, ``has_bias`` that transformers' ``use_experts_implementation`` sets),
+differentiable in the weights and the inputs.
+
+:func:`running_backend` names the backend whose experts kernel is running (a context variable), so that an
+emulator can refuse what the emulated device lacks only for that backend's kernels (polyrl.emulation.npu).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+NAME = "polyrl"
+_running: contextvars.ContextVar[str | None] = contextvars.ContextVar("polyrl_experts_backend", default=None)
+
+
+def running_backend() -> str | None:
+    """The name of the backend whose experts kernel is running in this context, None outside one."""
+    return _running.get()
+
+
+def polyrl_experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts forward for ``"polyrl"``: the bound backend's ``experts`` (the process's active
+    backend for a model never bound, as for attention)."""
+    from polyrl.core.attention.hf import bound_backend
+
+    backend = bound_backend(module)
+    if backend is None:
+        from polyrl.core.plugins.selection import get_active_backend
+
+        backend = get_active_backend()
+    token = _running.set(backend.name)
+    try:
+        return backend.experts(module, hidden_states, top_k_index, top_k_weights)
+    finally:
+        _running.reset(token)
+
+
+def reference_experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The reference experts kernel: transformers' ``grouped_mm`` path (sort by expert, torch's grouped matmul,
+    its own fallback where torch has none) — what a model built without ``"polyrl"`` runs by default, so the
+    numbers of the cpu and cuda backends are the ones they had."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+
+def register() -> None:
+    """Register ``"polyrl"`` in transformers' experts interface (idempotent; imports transformers)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, ExpertsInterface
+
+    if NAME not in ALL_EXPERTS_FUNCTIONS:
+        ExpertsInterface.register(NAME, polyrl_experts_forward)

@@ -1,0 +1,194 @@
+"""The vllm rollout engine on the ascend backend, against stand-ins of vllm-ascend releases (tests/ascend/
+vllm_ascend_standin.py: their allocator's assert, their worker's methods, their attention's window and sinks) —
+on the CPU, never on an NPU.
+
+Per release: 0.13 refuses GPT-OSS (its attention drops the sinks); 0.18 and 0.23 sync weights through the
+model's ``load_weights`` (their NPUWorker has no ``reload_weights``); 0.24 through ``reload_weights``. Every
+release: no expandable segments with sleep mode, and the window told as W - 1 so that the engine sees W keys,
+checked by the prefill probe and by the decode probe past the window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+import vllm_ascend_standin as standin
+
+from polyrl.backends import vllm_engine
+from polyrl.backends.ascend import AscendBackend
+from polyrl.backends.ascend import compat as ascend_compat
+from polyrl.core.distributed.process_group import apply_env_defaults
+from polyrl.core.errors import BadInputError
+from polyrl.core.models import build_model
+from polyrl.core.rollout import build_engine
+from polyrl.core.tolerances import tolerance
+from polyrl.core.trainer import sync
+
+VOCAB = 64
+BAR = tolerance("rollout.sync_probe", "float32")
+ALLOC = "PYTORCH_NPU_ALLOC_CONF"
+
+
+@pytest.fixture
+def ascend(monkeypatch):
+    """The ascend backend (device mode: nothing here touches a device) seeing vllm-ascend installed; returns a
+    function that selects the release (its version in the metadata, its stand-in as ``vllm``)."""
+    monkeypatch.delenv("POLYRL_ASCEND_ON_CPU", raising=False)
+    monkeypatch.delenv(ALLOC, raising=False)
+    monkeypatch.setattr(vllm_engine, "vllm_problem", lambda *a, **k: "")  # vllm and vllm-ascend "installed"
+    for key in ("VLLM_ASCEND_ENABLE_NZ", "VLLM_ENABLE_V1_MULTIPROCESSING"):  # what the engine sets, undone after
+        monkeypatch.setenv(key, "0")
+
+    def use(version: str, **changes) -> AscendBackend:
+        release = dataclasses.replace(standin.RELEASES[version], **changes)
+        monkeypatch.setattr(ascend_compat, "installed_vllm_ascend", lambda: version, raising=False)
+        monkeypatch.setitem(sys.modules, "vllm", standin.module(release))
+        return AscendBackend()
+
+    return use
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
+                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "eager"
+    return LlamaForCausalLM(config)
+
+
+def _gpt_oss():
+    return build_model("gpt_oss_tiny", vocab_size=VOCAB, seed=0, backend="cpu")  # window 16, sinks, MoE
+
+
+def _forward(packed: bool) -> dict:
+    from polyrl.core.plugins import get_registry
+
+    return dict(packed=packed, pad_id=0, chunk_size=1024, logprobs=get_registry().backends["cpu"].logprobs)
+
+
+def _adam_step(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, VOCAB, (2, 12), generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _engine(model, backend):
+    return build_engine("vllm", model, pad_token_id=0, backend=backend, max_model_len=64)
+
+
+# --- sleep mode and the allocator ---------------------------------------------------------------------------
+def test_the_backend_leaves_expandable_segments_off_where_vllm_ascend_sleeps(ascend, monkeypatch) -> None:
+    backend = ascend("0.18.0")
+    applied = apply_env_defaults(backend)  # what a run sets before the NPU runtime starts
+    assert ALLOC not in applied and "HCCL_CONNECT_TIMEOUT" in applied
+    engine = _engine(_llama(), backend)  # CaMemAllocator's assert passes
+    assert engine._llm.kwargs["enable_sleep_mode"] and engine.settings.sleep_level == 1
+    engine.close()
+    # without vllm-ascend the allocator setting stays (no engine will sleep)
+    monkeypatch.setattr(vllm_engine, "vllm_problem", lambda *a, **k: "vllm-ascend is not installed")
+    assert AscendBackend().sharding_policy().env_defaults[ALLOC] == "expandable_segments:True"
+
+
+def test_a_users_expandable_segments_are_refused_in_one_line(ascend, monkeypatch) -> None:
+    backend = ascend("0.23.0")
+    monkeypatch.setenv(ALLOC, "expandable_segments:True")
+    with pytest.raises(BadInputError, match=r"PYTORCH_NPU_ALLOC_CONF=expandable_segments:True cannot be used .* "
+                                            r"sleep mode") as info:
+        _engine(_llama(), backend)
+    assert "\n" not in str(info.value)
+
+
+# --- weight sync per release -----------------------------------------------------------------------------
+@pytest.mark.parametrize(("version", "loader"), [("0.18.0", "load_weights"), ("0.23.0", "load_weights"),
+                                                 ("0.24.0rc1", "reload_weights")])
+def test_weights_sync_in_place_through_what_the_release_has(ascend, version, loader) -> None:
+    model = _llama()
+    engine = _engine(model, ascend(version))
+    seqs = sync.probe_sequences(model.config, VOCAB, max_len=40)
+    _adam_step(model, seed=1)
+    assert sync.probe_diff(engine, model, seqs, **_forward(packed=False)) > BAR  # the engine is behind
+    engine.sleep()
+    sync.wake_up(engine)
+    engine.sync_weights(model)
+    assert engine.weight_loader == loader
+    assert sync.probe_diff(engine, model, seqs, **_forward(packed=False)) <= BAR
+    assert engine.rebuilds == 0 and engine._llm.calls[-1] == "reset_prefix_cache"
+    assert (loader in engine._llm.calls) and ("reload_weights" in engine._llm.calls) == (loader == "reload_weights")
+    engine.close()
+
+
+# --- GPT-OSS: sinks and the window -----------------------------------------------------------------------
+def test_gpt_oss_is_refused_on_013_in_one_line_and_served_from_015(ascend) -> None:
+    with pytest.raises(BadInputError, match=r"vllm-ascend 0.13.0 cannot roll out GPT-OSS: its attention drops the "
+                                            r"sinks .* >= 0.15") as info:
+        _engine(_gpt_oss(), ascend("0.13.0"))
+    assert "\n" not in str(info.value)
+    _engine(_llama(), ascend("0.13.0")).close()  # a model without sinks is served
+    assert not ascend_compat.vllm_ascend_model_problem("0.15.0rc1", "gpt_oss")
+
+
+def test_without_the_refusal_013_would_roll_out_another_model(ascend) -> None:
+    """What the refusal prevents: v0.13 drops the sinks, and its log-probs are not the trainer's."""
+    backend = ascend("0.13.0")
+    options = {**backend.rollout_engine_options("vllm"), "refused_models": {}}
+    model = _gpt_oss()
+    engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64,
+                          settings=vllm_engine.VllmSettings.from_options(options))
+    seqs = sync.probe_sequences(model.config, VOCAB, max_len=40)
+    assert sync.probe_diff(engine, model, seqs, **_forward(packed=True)) > BAR
+    engine.close()
+
+
+@pytest.mark.parametrize("version", ["0.18.0", "0.24.0rc1"])
+def test_the_window_is_told_as_w_minus_1_so_the_engine_sees_w_keys(ascend, version) -> None:
+    backend = ascend(version)
+    model = _gpt_oss()
+    seqs = sync.probe_sequences(model.config, VOCAB, max_len=40)  # one sequence 24 tokens: past the window of 16
+    engine = _engine(model, backend)
+    assert engine._llm.kwargs["hf_overrides"] == {"sliding_window": 15}
+    assert model.config.sliding_window == 16  # the trainer's model and the export keep W
+    forward = _forward(packed=True)
+    assert sync.probe_diff(engine, model, seqs, **forward) <= BAR
+    assert engine.decode_probe_diff(lambda s: sync.trainer_logprobs(model, s, **forward)) <= BAR
+    engine.close()
+    # told W as vLLM means it, the release keeps W + 1 keys: the probe sees the difference
+    options = {**backend.rollout_engine_options("vllm"), "sliding_window_offset": 0}
+    plain = build_engine("vllm", model, pad_token_id=0, max_model_len=64,
+                         settings=vllm_engine.VllmSettings.from_options(options))
+    assert sync.probe_diff(plain, model, seqs, **forward) > BAR
+    plain.close()
+
+
+def test_the_decode_probe_catches_a_decode_kernel_that_drops_the_window(ascend) -> None:
+    """A release whose decode attention ignores the band (all cached keys): its prefill log-probs are right, so
+    the prefill probe passes; only tokens generated past the window show it."""
+    model = _gpt_oss()
+    engine = _engine(model, ascend("0.18.0", decode_window="ignored"))
+    forward = _forward(packed=True)
+    seqs = sync.probe_sequences(model.config, VOCAB, max_len=40)
+    assert sync.probe_diff(engine, model, seqs, **forward) <= BAR
+    assert engine.decode_probe_diff(lambda s: sync.trainer_logprobs(model, s, **forward)) > BAR
+    engine.close()
+
+
+def test_a_model_without_a_window_has_no_decode_probe(ascend) -> None:
+    engine = _engine(_llama(), ascend("0.23.0"))
+    assert engine.decode_probe_diff(lambda s: pytest.fail("not called")) == 0.0
+    engine.close()
+
+
+def test_compat_table_per_release() -> None:
+    for version, release in standin.RELEASES.items():
+        line, facts = ascend_compat.vllm_ascend_release(version)
+        assert (facts.reload_weights, facts.gpt_oss_sinks) == (release.reload_weights, release.gpt_oss_sinks), line
+        assert facts.pre_tokens_is_sliding_window
+    assert ascend_compat.vllm_ascend_release("0.26.1")[0] == "0.24"  # a newer line: the newest facts, probed
