@@ -64,10 +64,14 @@ def trainer_logprobs(model: Any, sequences: list[list[int]], *, packed: bool, pa
 
 
 def probe_diff(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> float:
-    """Largest |engine - trainer| log-prob over the probe tokens, maximised over ranks."""
+    """Largest |engine - trainer| log-prob over the probe tokens (prefill) and, for an engine that has it, over
+    tokens it samples at decode time past the sliding window (``decode_probe_diff``); maximised over ranks."""
     mine = trainer_logprobs(model, sequences, **forward)
     theirs = engine.score(sequences)
     worst = max(abs(a - b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
+    decode = getattr(engine, "decode_probe_diff", None)
+    if callable(decode):  # prefill (``score``) does not run the decode kernels: check them past the window too
+        worst = max(worst, decode(lambda seqs: trainer_logprobs(model, seqs, **forward)))
     return float(D.all_reduce_(torch.tensor(worst, dtype=torch.float64), "max").item())
 
 
