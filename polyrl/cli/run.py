@@ -137,17 +137,18 @@ def _run_process(args: argparse.Namespace, cfg, backend) -> int:
     from polyrl.core.errors import BadInputError
     from polyrl.core.run.directory import RunDir, check_unlocked, lock_run_dir
     from polyrl.core.run.outcome import stopped_message
-    from polyrl.core.trainer import RunStopped, Trainer, TrainingAborted
+    from polyrl.core.trainer import RunFault, RunStopped, Trainer, TrainingAborted
 
     worker = D.under_torchrun()
     if worker:
         L.worker_lifeline()  # die with torchrun's agent and with the `polyrl run --nproc` launcher
     restore = [L.install_stop_handlers(), P.pin_determinism(backend)]  # SIGINT/SIGTERM/SIGHUP: stop where we are
+
     def say(msg: str) -> None:  # rank 0 speaks for the run
         if D.is_main_process():
             print(f"polyrl run: {msg}", file=sys.stderr)
 
-    lock = run_dir = None
+    lock, run_dir, alone = None, None, False
     try:
         if args.output and not worker:
             check_unlocked(args.output)  # a live run there: refuse before building anything
@@ -161,13 +162,15 @@ def _run_process(args: argparse.Namespace, cfg, backend) -> int:
         out = Path(D.broadcast_object(str(_output(args))))
         lock = lock_run_dir(out, delegated_by=L.launcher_pid() if worker else None)
         run_dir = RunDir(out, is_main=D.is_main_process())
-        bar = cfg.trainer.progress_bar and ((not args.no_progress and sys.stderr.isatty())
-                                            or os.environ.get("POLYRL_PROGRESS", "") == "1")
-        last = trainer.train(run_dir, resume_from=args.resume_from, progress=bar, log=say)
+        bar = (not args.no_progress and sys.stderr.isatty()) or os.environ.get("POLYRL_PROGRESS", "") == "1"
+        last = trainer.train(run_dir, resume_from=args.resume_from, progress=cfg.trainer.progress_bar and bar, log=say)
         say(f"done: {out} (step {trainer.state.step}, reward/mean {last['reward/mean']:.3f})" if last
             else f"nothing to do: {out} is already at step {trainer.state.step}")
         rc = 0
-    except TrainingAborted as exc:
+    except RunFault as exc:  # seen by this rank (maybe by it alone): it speaks, and leaves without a barrier
+        print(f"polyrl run: {f'[rank {D.get_rank()}] ' if D.is_distributed() else ''}error: {exc}", file=sys.stderr)
+        rc, alone = 1, True
+    except TrainingAborted as exc:  # decided on every rank alike
         say(f"error: {exc}")
         rc = 1
     except BadInputError as exc:  # the same on every rank (verification and the lock are collective)
@@ -193,4 +196,4 @@ def _run_process(args: argparse.Namespace, cfg, backend) -> int:
             lock.release(undo=run_dir is None or not run_dir.opened)
         for undo in restore:
             undo()
-    return P.end_process(rc)
+    return P.end_process(rc, alone=alone)

@@ -192,7 +192,7 @@ def test_a_worker_killed_mid_step_stops_every_rank_with_one_line_each_then_resum
     lines = [line for line in err.splitlines() if line.startswith("polyrl run:")]
     assert f"polyrl run: [rank 0] rank 1 (pid {pids[1]}) ended in the middle of the run; this rank stops too" in lines
     assert f"polyrl run: rank 1 (pid {pids[1]}) was killed by SIGKILL; every rank has stopped" in lines
-    assert lines[-1] == "polyrl run: the same command resumes from step_00000002", lines
+    assert lines[-1] == "polyrl run: the same command resumes from step 2", lines
     assert "Traceback" not in err, err[-3000:]
     run_to_end(cmd)
     assert_close(read_metrics(tmp_path), reference)

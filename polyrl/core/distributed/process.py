@@ -92,21 +92,23 @@ def exit_if_a_peer_is_gone(wait_s: float = 1.0) -> None:
         time.sleep(0.05)
 
 
-def end_process(rc: int) -> int:
+def end_process(rc: int, *, alone: bool = False) -> int:
     """Leave the process group the way the outcome allows; returns ``rc``.
 
     Finished (0), aborted (1) or refused (2): every rank's work is done (a barrier), then a peer that leaves is
     no failure, and the group is destroyed cleanly. A stopped torchrun worker (128+N) exits at once without the
     interpreter's teardown, which would destroy a process group whose peers are gone (C++ threads still
-    joinable: "terminate called without an active exception", SIGABRT); its files are closed by then."""
+    joinable: "terminate called without an active exception", SIGABRT); its files are closed by then. ``alone``:
+    an outcome this rank may have met alone (a fault of its machine): the others are not at a barrier, so it
+    leaves like a stopped worker; their peer watch ends them."""
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
 
-    if rc in (0, 1, 2):
+    if rc in (0, 1, 2) and not alone:
         D.barrier()
         L.unwatch_peers()
         D.shutdown_distributed()
-    elif rc > 128 and D.under_torchrun():
+    elif (rc > 128 or alone) and D.under_torchrun():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(rc)

@@ -39,6 +39,7 @@ from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig, dump_config
 from polyrl.core.distributed import launch as L
+from polyrl.core.distributed.process import exit_if_a_peer_is_gone
 from polyrl.core.run.faults import fault_line
 from polyrl.core.trainer import sync
 from polyrl.core.trainer.batch import forward_all, policy_forward, value_forward
@@ -47,7 +48,7 @@ from polyrl.core.trainer.prepare import UpdateInputs, global_mean, prepare_updat
 from polyrl.core.trainer.setup import Components, build_components
 from polyrl.core.trainer.update import UpdateMetrics, update_actor, update_critic
 
-__all__ = ["RunStopped", "Trainer", "TrainingAborted", "seed_everything"]
+__all__ = ["RunFault", "RunStopped", "Trainer", "TrainingAborted", "seed_everything"]
 
 
 def seed_everything(seed: int) -> None:
@@ -60,6 +61,11 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
     except ImportError:
         pass
+
+
+class RunFault(TrainingAborted):
+    """A fault of the machine met by this process (a full disk, device memory, a failing engine); other ranks
+    may not have met it, so the process ends without waiting for them (their peer watch stops them)."""
 
 
 class RunStopped(Exception):
@@ -152,12 +158,14 @@ class Trainer:
             # abandoned: only complete ones are ever loaded.
             signum = L.stop_signal()
             if signum is None and not isinstance(exc, KeyboardInterrupt):
+                # A collective broken by a dead peer is the peer's end, not a fault here: its line, then exit.
+                exit_if_a_peer_is_gone()
                 # a fault of the machine: one line, what to do, where the same command resumes; else a bug
                 line = (_out_of_memory(self, doing) if isinstance(exc, torch.OutOfMemoryError)
                         else fault_line(exc, doing, where))
                 if line is None:
                     raise
-                raise TrainingAborted(f"{line} and rerun: the same command {resume_point(run_dir.checkpoints)}") from exc
+                raise RunFault(f"{line} and rerun: the same command {resume_point(run_dir.checkpoints)}") from exc
             signum = signum or 2  # None: a KeyboardInterrupt raised by Python's own handler
             raise RunStopped(signum, stopped_message(L.signal_name(signum), self.state.step,
                                                      run_dir.checkpoints)) from None
