@@ -1,0 +1,73 @@
+"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel) beside transformers' own default
+("grouped_mm"), same run, same weights.
+
+Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
+random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +
+backward of a sum of the last hidden states (the experts dominate; attention is the same in both). Prints the
+median step and peak memory of each and the ratio; writes JSON. Expert parallelism with ``ep=1`` is this path.
+
+    python bench/experts_path.py [--backend cuda] [--preset gpt_oss_20b] [--tokens 4096] [--steps 10] [--out bench/results/experts_path.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default=None)
+    ap.add_argument("--preset", default="gpt_oss_20b", help="a gpt_oss preset (gpt_oss_tiny: a quick CPU try)")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--out", default="bench/results/experts_path.json")
+    args = ap.parse_args()
+
+    from polyrl.core.models import build_model
+    from polyrl.core.plugins.selection import set_active_backend
+
+    backend = set_active_backend(args.backend)
+    device = backend.device(0)
+    dtype = torch.bfloat16 if backend.is_accelerator else torch.float32
+    rows = {}
+    for impl in ("polyrl", "grouped_mm"):
+        model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=impl, dtype=dtype,
+                            overrides={"num_hidden_layers": 2}, seed=0, backend=backend).to(device)
+        vocab = model.config.vocab_size
+        ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
+        pos = torch.arange(args.tokens, device=device)[None]
+        times = []
+        sync = getattr(torch, device.type).synchronize if device.type != "cpu" else (lambda: None)
+        if device.type != "cpu":
+            getattr(torch, device.type).reset_peak_memory_stats()
+        for _ in range(args.steps + 2):
+            sync()
+            t0 = time.perf_counter()
+            out = model.model(input_ids=ids, position_ids=pos).last_hidden_state
+            out.float().sum().backward()
+            sync()
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        peak = getattr(torch, device.type).max_memory_allocated() / 2**30 if device.type != "cpu" else float("nan")
+        rows[impl] = {"median_ms": statistics.median(times[2:]) * 1e3, "peak_gib": peak}
+        print(f"{impl:>11}: {rows[impl]['median_ms']:.2f} ms / step, peak {peak:.2f} GiB", flush=True)
+        del model
+        if device.type != "cpu":
+            getattr(torch, device.type).empty_cache()
+    ratio = rows["polyrl"]["median_ms"] / rows["grouped_mm"]["median_ms"]
+    print(f"polyrl / transformers grouped_mm: {ratio:.3f}")
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else device.type
+    with open(args.out, "w") as f:
+        json.dump({"date": datetime.date.today().isoformat(), "device": name, "torch": torch.__version__,
+                   "tokens": args.tokens, "rows": rows, "ratio": ratio}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
