@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 import vllm_ascend_standin as standin
+from tiny_models import tiny_llama
 
 from polyrl.backends import vllm_engine
 from polyrl.backends.ascend import AscendBackend
@@ -52,14 +53,7 @@ def ascend(monkeypatch):
 
 
 def _llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=256,
-                         tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    config._attn_implementation = "eager"
-    return LlamaForCausalLM(config)
+    return tiny_llama(VOCAB)
 
 
 def _gpt_oss():

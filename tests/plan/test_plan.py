@@ -8,25 +8,10 @@ import json
 import pytest
 import torch
 
-from polyrl.cli import main as polyrl_main
 from polyrl.core.config import load_config
 from polyrl.core.plan import activation_bytes_per_token, count_parameters, plan_memory
 from polyrl.core.plugins.registry import get_registry
-from polyrl.core.plugins.selection import reset_active_backend
 from polyrl.core.tolerances import MEMORY_PLAN_ACTIVATIONS_RTOL
-
-
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)  # no data file, no checkpoint directory here: the dry run plans without them
-
-    def run(*args: str) -> tuple[int, str, str]:
-        reset_active_backend()
-        rc = polyrl_main(["run", *args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
 
 
 def test_gpt_oss_dapo_recipe_knobs():

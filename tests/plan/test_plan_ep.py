@@ -8,28 +8,14 @@ import json
 
 import pytest
 
-from polyrl.cli import main as polyrl_main
 from polyrl.cli.dry_run import plan_backend
 from polyrl.core.config import load_config
 from polyrl.core.errors import BadInputError
 from polyrl.core.plan import architecture_config, count_parameters, plan_memory
 from polyrl.core.plan.placement import expert_parallel_sizes, find_placement
-from polyrl.core.plugins.selection import reset_active_backend
 
 GIB = 2**30
 
-
-@pytest.fixture
-def cli(capsys, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-
-    def run(*args: str) -> tuple[int, str, str]:
-        reset_active_backend()
-        rc = polyrl_main(["run", *args])
-        out, err = capsys.readouterr()
-        return rc, out, err
-
-    return run
 
 
 def _with_ep(cfg, ep):
