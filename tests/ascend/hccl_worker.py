@@ -73,6 +73,7 @@ def emulated(rank: int, world: int) -> dict:
     x = torch.randn(3, 6, generator=torch.Generator().manual_seed(rank), dtype=torch.bfloat16)
     model(x).float().square().sum().backward()
     seen["fsdp_grad_norm"] = float(sum(p.grad.full_tensor().double().square().sum() for p in model.parameters()))
+    D.barrier()  # both ranks done before either tears its groups down (else a peer's gloo pair may abort at exit)
     D.shutdown_distributed()
     return seen
 
