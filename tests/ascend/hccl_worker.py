@@ -119,3 +119,6 @@ if __name__ == "__main__":
     result = {"emulated": emulated, "gloo": gloo, "world": world}[scenario](rank, size)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    from polyrl.core.distributed.process import leave_now
+
+    leave_now(0)  # no interpreter teardown with gloo's work objects alive (as `polyrl run`'s workers end)

@@ -20,6 +20,7 @@ def main() -> None:
     from polyrl.core import distributed as D
     from polyrl.core.config import load_config
     from polyrl.core.distributed.expert_parallel import ExpertParallelExperts
+    from polyrl.core.distributed.process import end_process
     from polyrl.core.plugins import list_backends
     from polyrl.core.trainer import Trainer
     from polyrl.parity.train import update_differences
@@ -72,8 +73,7 @@ def main() -> None:
     if ctx.rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f)
-    D.barrier()
-    D.shutdown_distributed()
+    end_process(0)  # as `polyrl run` ends: a barrier, the group destroyed, no interpreter teardown
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def main() -> None:
     from polyrl.core import distributed as D
     from polyrl.core.config import load_config
     from polyrl.core.distributed import loading
+    from polyrl.core.distributed.process import end_process
     from polyrl.core.plugins import list_backends
     from polyrl.core.trainer import Trainer, seed_everything
     from polyrl.core.trainer import setup as S
@@ -92,7 +93,7 @@ def main() -> None:
         result[spec] = row
     with open(f"{out}.rank{D.get_rank()}.json", "w") as f:
         json.dump(result, f)
-    D.shutdown_distributed()
+    end_process(0)  # as `polyrl run` ends: a barrier, the group destroyed, no interpreter teardown
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from torch import nn
 
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core import distributed as D
+from polyrl.core.distributed.process import end_process
 from polyrl.core.distributed.sharding import apply_sharding, clip_grad_norm
 from polyrl.core.run import checkpoint as C
 
@@ -102,7 +103,7 @@ def main() -> None:
                 )
         if progress.step % save_every == 0:
             C.save_checkpoint(run_dir / "checkpoints", progress.step, state, keep=2)
-    D.shutdown_distributed()
+    end_process(0)  # as `polyrl run` ends: a barrier, the group destroyed, no interpreter teardown
 
 
 def _logits(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -98,21 +98,38 @@ def end_process(rc: int, *, alone: bool = False) -> int:
     Finished (0), aborted (1) or refused (2): every rank's work is done (a barrier), then a peer that leaves is
     no failure, and the group is destroyed cleanly. A stopped torchrun worker (128+N) exits at once without the
     interpreter's teardown, which would destroy a process group whose peers are gone (C++ threads still
-    joinable: "terminate called without an active exception", SIGABRT); its files are closed by then. ``alone``:
+    joinable: "terminate called without an active exception", SIGABRT); its files are closed by then. A torchrun
+    worker of a several-process run that ended cleanly leaves the same way after the group is destroyed
+    (``leave_now``). ``alone``:
     an outcome this rank may have met alone (a fault of its machine): the others are not at a barrier, so it
     leaves like a stopped worker; their peer watch ends them."""
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
 
+    several = D.is_distributed()
     if rc in (0, 1, 2) and not alone:
         D.barrier()
         L.unwatch_peers()
         D.shutdown_distributed()
+        if several and D.under_torchrun():
+            leave_now(rc)
     elif (rc > 128 or alone) and D.under_torchrun():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(rc)
+        leave_now(rc)
     return rc
+
+
+def leave_now(rc: int) -> None:
+    """Exit without the interpreter's teardown (torchrun workers only; the trainer has closed their files, and
+    the streams and logging are flushed here). After a clean ``destroy_process_group`` the gloo backend may
+    still hold work objects (DTensor and FSDP collectives) that are destroyed during finalization, when the
+    interpreter is being torn down; a clean two-process run on CPU then ended, rarely, in SIGABRT ("terminate
+    called without an active exception") and torchrun reported the run failed."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def says_the_stop_line() -> bool:
