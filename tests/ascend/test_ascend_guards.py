@@ -160,6 +160,19 @@ def test_fully_shard_is_refused_on_950dt(monkeypatch):
     AscendBackend().check_world_size(2)
 
 
+def test_expert_parallel_groups_of_a_size_hccl_refuses_are_refused_before_launch():
+    from polyrl.backends.cpu import CpuBackend
+    from polyrl.core.distributed.sharding import check_sharding
+
+    backend = AscendBackend()
+    for world, ep in ((12, 2), (12, 4), (24, 8), (10, 2), (12, 3)):  # world / ep or ep is 3, 5, 6 or 7
+        with pytest.raises(BadInputError, match=f"sharding.expert_parallel={ep} on {world} processes.*refuses"):
+            check_sharding(backend, world, ShardingConfig(expert_parallel=ep))
+        check_sharding(CpuBackend(), world, ShardingConfig(expert_parallel=ep))  # gloo has no such rule
+    for world, ep in ((8, 2), (16, 16), (256, 16), (16, 4)):
+        check_sharding(backend, world, ShardingConfig(expert_parallel=ep))
+
+
 # --- FSDP2 feature detection -------------------------------------------------------------------------
 @pytest.mark.parametrize("method", ["set_gradient_divide_factor", "set_force_sum_reduction_for_comms"])
 def test_fsdp2_methods_are_feature_detected(monkeypatch, method):

@@ -81,3 +81,25 @@ def test_npus_name_what_blocks_and_by_how_much():
     # a larger batch admits more devices, and the state they shrink is what was over
     bigger = find_placement(load_config("deepseek_ppo", ["data.batch_size=512"]), plan_backend("ascend"), nproc=8)
     assert bigger.fits and bigger.world_size == 512
+
+
+def test_the_search_skips_expert_groups_the_collective_library_refuses(monkeypatch):
+    """On Ascend, 3 nodes of 8 NPUs (world 24) with ep=4 or 8 would shard the experts over FSDP2 groups of 6 or 3,
+    which HCCL refuses: the search never plans them, and plans the other eps of that world."""
+    from polyrl.core.plan import placement
+
+    asked = []
+    real = placement.plan_memory
+
+    def recording(cfg, backend, **kw):
+        asked.append((kw["nproc"] * kw["nnodes"], cfg.sharding.expert_parallel))
+        return real(cfg, backend, **kw)
+
+    monkeypatch.setattr(placement, "plan_memory", recording)
+    cfg = load_config("deepseek_ppo", ["data.batch_size=24"])
+    find_placement(cfg, plan_backend("ascend"), nproc=8, max_nodes=3, device_memory_gib=1)  # nothing fits
+    at_24 = {ep for world, ep in asked if world == 24}
+    assert at_24 == {1, 2}  # ep 4 and 8 (of 1, 2, 4, 8 dividing 24 and 256 experts) leave FSDP2 groups of 6 and 3
+    asked.clear()
+    find_placement(cfg, plan_backend("cuda"), nproc=8, max_nodes=3, device_memory_gib=1)  # NCCL has no such rule
+    assert {ep for world, ep in asked if world == 24} == {1, 2, 4, 8}

@@ -91,6 +91,10 @@ def find_placement(cfg: RunConfig, backend: Any, *, nproc: int, max_nodes: int =
         except BadInputError:
             continue
         for ep in expert_parallel_sizes(world, num_experts):
+            try:  # the expert groups' sizes, which the collective library may refuse too
+                check_placement(_with_ep(cfg, ep), backend, world)
+            except BadInputError:
+                continue
             plan = plan_memory(_with_ep(cfg, ep), backend, nproc=nproc, nnodes=nnodes,
                                device_memory_gib=device_memory_gib, vocab_size=vocab_size)
             if plan.fits:
