@@ -20,7 +20,10 @@ v2.9.0-7.3.0 branch, and torch_npu's documentation:
   sizes 3, 5, 6 and 7. HCCL's own wording of that refusal is not public: the message here is polyrl's, naming
   the rule.
 
-Not emulated: all_to_all's dtype rule (documented float32-only), HCCL's timeouts and buffer sizes.
+- all_to_all (``alltoall_base``, ``alltoall``) exchanges only HcclAlltoAllV's types (hccl.h): int8, int32, int64,
+  uint64, float16, float32; bfloat16 is refused.
+
+Not emulated: HCCL's timeouts and buffer sizes.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ BACKEND_NAME = "hccl_emulated"
 REDUCE_DTYPES: frozenset[torch.dtype] = frozenset(
     {torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32, torch.bfloat16})
 WORLD_SIZES_REFUSED: tuple[int, ...] = (3, 5, 6, 7)
+ALL_TO_ALL_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.int8, torch.int32, torch.int64, torch.uint64, torch.float16, torch.float32})
 WORLD_SIZE_RULE = ("HCCL's all_gather_into_tensor / reduce_scatter_tensor (FSDP2's collectives) refuse world sizes "
                    f"{', '.join(map(str, WORLD_SIZES_REFUSED))}")
 
@@ -58,6 +63,15 @@ def check_dtype(tensor: torch.Tensor, function: str) -> None:
         raise RuntimeError("Unsupported data type for HCCL process group" + _NOT_SUPPORTED)
     if tensor.dtype not in REDUCE_DTYPES:
         raise RuntimeError(f"HCCL {function}: Unsupported data type {_SERIAL[tensor.dtype]}" + _NOT_SUPPORTED)
+
+
+def check_all_to_all_dtype(tensor: torch.Tensor, function: str) -> None:
+    """HcclAlltoAllV's send / receive types (hccl.h): int8, int32, int64, uint64, float16, float32."""
+    if tensor.dtype not in _SERIAL and tensor.dtype != torch.uint64:
+        raise RuntimeError("Unsupported data type for HCCL process group" + _NOT_SUPPORTED)
+    if tensor.dtype not in ALL_TO_ALL_DTYPES:
+        raise RuntimeError(f"HCCL {function}: Unsupported data type {_SERIAL[tensor.dtype]} (HcclAlltoAllV takes "
+                           "int8, int32, int64, uint64, float16, float32; emulated rule)" + _NOT_SUPPORTED)
 
 
 def check_reduce_op(op: Any) -> None:
@@ -177,9 +191,12 @@ class EmulatedHcclProcessGroup(dist.ProcessGroup):
         return self._gloo.scatter(outputs, inputs, opts if opts is not None else dist.ScatterOptions())
 
     def alltoall(self, outputs, inputs, opts=None):
+        for t in inputs:
+            check_all_to_all_dtype(t, "alltoall")
         return self._gloo.alltoall(outputs, inputs, opts if opts is not None else dist.AllToAllOptions())
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        check_all_to_all_dtype(input, "alltoall_base")
         return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                         opts if opts is not None else dist.AllToAllOptions())
 

@@ -42,6 +42,35 @@ def _reduce_all(D, rank: int, world: int) -> dict:
     return out
 
 
+def _all_to_all(backend, rank: int, world: int) -> dict:
+    """bf16 rows (as expert parallelism sends them) with uneven splits: rank p sends 1 + p + 2q rows to rank q.
+    HCCL's all-to-all refuses bf16; the backend's all_to_all must deliver every row bit for bit."""
+    def sent(p: int, shape_tail: tuple[int, ...]) -> torch.Tensor:
+        n = sum(1 + p + 2 * q for q in range(world))
+        return torch.randn(n, *shape_tail, generator=torch.Generator().manual_seed(50 + p)).to(torch.bfloat16)
+
+    out = {}
+    for name, tail in (("rows", (6,)), ("vector", ())):
+        send = [1 + rank + 2 * q for q in range(world)]
+        recv = [1 + p + 2 * rank for p in range(world)]
+        mine = sent(rank, tail)
+        want = torch.cat([sent(p, tail).split([1 + p + 2 * q for q in range(world)])[rank] for p in range(world)])
+        got = torch.full((sum(recv), *tail), float("nan"), dtype=torch.bfloat16)
+        try:
+            dist.all_to_all_single(got, mine, recv, send)
+            out[f"{name}/raw"] = "accepted"
+        except RuntimeError as exc:
+            out[f"{name}/raw"] = str(exc)
+        got.fill_(float("nan"))
+        backend.all_to_all(got, mine, recv, send)
+        out[f"{name}/exact"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
+        counts = torch.arange(world, dtype=torch.int64) + 10 * rank  # the row counts travel as int64
+        back = torch.empty_like(counts)
+        backend.all_to_all(back, counts, None, None)
+        out["counts"] = back.tolist()
+    return out
+
+
 def emulated(rank: int, world: int) -> dict:
     from polyrl.core import distributed as D
     from polyrl.core.plugins import get_registry
@@ -61,6 +90,7 @@ def emulated(rank: int, world: int) -> dict:
             seen[name] = str(exc)
     seen["reductions"] = _reduce_all(D, rank, world)
     seen["metrics"] = D.all_reduce_metrics({"a": 1.5 + rank, "n": 10.0 * (rank + 1)}, op="sum")
+    seen["all_to_all"] = _all_to_all(backend, rank, world)
     # polyrl's FSDP2 over the emulated group: all_gather_into_tensor (parameters), reduce_scatter of float32
     # gradients with SUM (HCCL has no AVG: plain FSDP2 averaging is refused, which polyrl's sharding avoids)
     from polyrl.core.distributed.sharding import apply_sharding

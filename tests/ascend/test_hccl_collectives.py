@@ -90,6 +90,11 @@ def test_emulated_ascend_group_refuses_what_hccl_refuses_and_polyrl_reduces_floa
             # two ranks: a + b is b + a, so the gather's sum is the float64 all-reduce's, bit for bit
             assert r["got"] == r["ref"], (key, r)
         assert seen["metrics"] == {"a": 1.5 + 2.5, "n": 10.0 + 20.0}
+        a2a = seen["all_to_all"]  # bf16 rows: refused by HCCL's all-to-all, delivered exactly by the backend's
+        for name in ("rows", "vector"):
+            assert a2a[f"{name}/raw"].startswith("HCCL alltoall_base: Unsupported data type at::kBFloat16"), a2a
+            assert a2a[f"{name}/exact"], name
+    assert ranks[0]["all_to_all"]["counts"] == [0, 10] and ranks[1]["all_to_all"]["counts"] == [1, 11]
     assert ranks[0]["reductions"] == ranks[1]["reductions"]
     assert ranks[0]["fsdp_grad_norm"] == ranks[1]["fsdp_grad_norm"] > 0
 

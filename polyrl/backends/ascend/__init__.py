@@ -40,6 +40,9 @@ ON_CPU_COLLECTIVE = "hccl_emulated"
 # Ascend 950, no uint8 / bool. Gathers and broadcasts take every dtype.
 HCCL_REDUCE_DTYPES = frozenset({"int8", "int16", "int32", "int64", "float16", "float32", "bfloat16"})
 HCCL_WORLD_SIZES_REFUSED = (3, 5, 6, 7)
+# What HCCL's all-to-all exchanges (HcclAlltoAllV's send / receive types in hccl.h): no bfloat16, no int16.
+# Expert parallelism sends bf16 token rows; ``AscendBackend.all_to_all`` sends other dtypes as their bytes.
+HCCL_ALL_TO_ALL_DTYPES = frozenset({"int8", "int32", "int64", "uint64", "float16", "float32"})
 HCCL_WORLD_SIZE_RULE = ("HCCL's all_gather_into_tensor / reduce_scatter_tensor (FSDP2's collectives) refuse world "
                         "sizes 3, 5, 6 and 7; use another number of processes (1, 2, 4, 8, ...)")
 
@@ -164,6 +167,29 @@ class AscendBackend(Backend):
             world_size_rule=HCCL_WORLD_SIZE_RULE,
             env_defaults=env,
         )
+
+
+    def all_to_all(self, output: Any, input: Any, output_split_sizes: list[int] | None,
+                   input_split_sizes: list[int] | None, group: Any = None) -> None:
+        """``Backend.all_to_all`` within HCCL's all-to-all dtypes: a tensor of another dtype (the bf16 rows of
+        expert parallelism) travels as its bytes, each row viewed as int8, so it arrives bit for bit, with no
+        conversion and no more bytes on the wire. The split sizes count rows, which the view keeps."""
+        import torch
+
+        if str(input.dtype).removeprefix("torch.") in HCCL_ALL_TO_ALL_DTYPES:
+            return super().all_to_all(output, input, output_split_sizes, input_split_sizes, group)
+        if input.dim() == 0 or output.dim() == 0:
+            raise ValueError("all_to_all exchanges rows: expected tensors with a first dimension")
+
+        def as_bytes(t: Any) -> Any:
+            return t.reshape(t.shape[0], -1).view(torch.int8)
+
+        target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
+        super().all_to_all(as_bytes(target), as_bytes(input.contiguous()), output_split_sizes, input_split_sizes,
+                           group)
+        if target is not output:
+            output.copy_(target)
+        return None
 
 
 @hookimpl
