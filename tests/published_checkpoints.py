@@ -85,7 +85,8 @@ def fp8_block_encode(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, t
     return q, scale, decoded
 
 
-def _read(src: Path) -> dict[str, torch.Tensor]:
+def read_tensors(src: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``src``, by name."""
     tensors = {}
     for file in sorted(src.glob("*.safetensors")):
         with safe_open(file, "pt") as f:
@@ -124,7 +125,7 @@ def write_gpt_oss_mxfp4(bf16_dir: str | Path, out: str | Path, shards: int = 3) 
     src, out = Path(bf16_dir), Path(out)
     _copy_side_files(src, out, GPT_OSS_MXFP4_CONFIG)
     tensors, expected = {}, {}
-    for name, t in _read(src).items():
+    for name, t in read_tensors(src).items():
         if re.fullmatch(r"model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)", name):
             # [E, in, out] -> along `in` per row; one expert at a time bounds the encoder's temporaries
             parts = [mxfp4_encode(t[e].transpose(0, 1)) for e in range(t.shape[0])]
@@ -143,7 +144,7 @@ def write_deepseek_fp8(bf16_dir: str | Path, out: str | Path, shards: int = 3) -
     src, out = Path(bf16_dir), Path(out)
     _copy_side_files(src, out, DEEPSEEK_FP8_CONFIG)
     tensors, expected = {}, {}
-    for name, t in _read(src).items():
+    for name, t in read_tensors(src).items():
         if _DEEPSEEK_FP8_WEIGHT.fullmatch(name):
             q, scale, decoded = fp8_block_encode(t)
             tensors[name], tensors[f"{name}_scale_inv"] = q, scale
@@ -176,6 +177,6 @@ def write_tiny(root: Path, arch: str) -> dict:
     expected = write(original, root / "published")
     reference = root / "reference"
     reference.mkdir()
-    save_file({**_read(original), **expected}, reference / "model.safetensors", metadata={"format": "pt"})
+    save_file({**read_tensors(original), **expected}, reference / "model.safetensors", metadata={"format": "pt"})
     shutil.copy2(original / "config.json", reference / "config.json")
     return {"original": original, "published": root / "published", "reference": reference, "expected": expected}

@@ -15,3 +15,13 @@ def tiny_llama(vocab: int):
                          tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config._attn_implementation = "eager"
     return LlamaForCausalLM(config)
+
+
+def adam_step(model, seed: int, vocab: int) -> None:
+    """One optimizer step (lr 1e-3) on random tokens below ``vocab``: every weight moves."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(4, vocab, (2, 12), generator=gen)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    opt.zero_grad()

@@ -56,6 +56,9 @@ def test_hccl_refuses_float64_bool_and_avg_with_its_own_words() -> None:
 def test_the_ascend_backend_declares_what_hccl_reduces() -> None:
     ascend = get_registry().backends["ascend"]
     assert {getattr(torch, n) for n in ascend.collective_reduce_dtypes} == set(hccl.REDUCE_DTYPES)
+    from polyrl.backends.ascend import HCCL_ALL_TO_ALL_DTYPES
+
+    assert {getattr(torch, n) for n in HCCL_ALL_TO_ALL_DTYPES} == set(hccl.ALL_TO_ALL_DTYPES)
     assert ascend.sharding_policy().world_sizes_refused == hccl.WORLD_SIZES_REFUSED
     assert not get_registry().backends["cpu"].collective_reduce_dtypes  # gloo reduces every dtype
 

@@ -14,9 +14,8 @@ import dataclasses
 import sys
 
 import pytest
-import torch
 import vllm_ascend_standin as standin
-from tiny_models import tiny_llama
+from tiny_models import adam_step, tiny_llama
 
 from polyrl.backends import vllm_engine
 from polyrl.backends.ascend import AscendBackend
@@ -66,15 +65,6 @@ def _forward(packed: bool) -> dict:
     return dict(packed=packed, pad_id=0, chunk_size=1024, logprobs=get_registry().backends["cpu"].logprobs)
 
 
-def _adam_step(model, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, VOCAB, (2, 12), generator=gen)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
-
-
 def _engine(model, backend):
     return build_engine("vllm", model, pad_token_id=0, backend=backend, max_model_len=64)
 
@@ -108,7 +98,7 @@ def test_weights_sync_in_place_through_what_the_release_has(ascend, version, loa
     model = _llama()
     engine = _engine(model, ascend(version))
     seqs = sync.probe_sequences(model.config, VOCAB, max_len=40)
-    _adam_step(model, seed=1)
+    adam_step(model, 1, VOCAB)
     assert sync.probe_diff(engine, model, seqs, **_forward(packed=False)) > BAR  # the engine is behind
     engine.sleep()
     sync.wake_up(engine)

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from published_checkpoints import CHAT_TEMPLATE, DEEPSEEK_FP8_CONFIG, TINY, fp8_block_encode, mxfp4_encode, write_tiny
+from published_checkpoints import (
+    CHAT_TEMPLATE,
+    DEEPSEEK_FP8_CONFIG,
+    TINY,
+    fp8_block_encode,
+    mxfp4_encode,
+    read_tensors,
+    write_tiny,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -19,14 +27,6 @@ from polyrl.cli import main as cli_main
 from polyrl.core.errors import BadInputError
 from polyrl.core.models import build_model
 from polyrl.core.models.checkpoint_formats import dequantize_fp8_blocks, dequantized_bytes, read_format
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})  # noqa: SIM118 (safe_open is not iterable)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_mxfp4_experts_are_the_originals_within_e2m1_rounding(checkpoints) -> No
     of the original, the scale being the smallest power of two that fits the block's largest magnitude in 6."""
     c = checkpoints["gpt_oss"]
     loaded = build_model(c["published"], dtype=torch.bfloat16, attn_implementation="eager").state_dict()
-    original = _tensors(c["original"])
+    original = read_tensors(c["original"])
     assert c["expected"]  # the experts of every layer
     for name in c["expected"]:
         w = original[name].float().transpose(1, 2)  # [E, out, in]: blocks of 32 along `in`
@@ -101,8 +101,8 @@ def test_fp8_linears_are_the_originals_within_e4m3_rounding(checkpoints) -> None
     """Each FP8 weight is within e4m3's half ulp (2^-4 relative; 2^-10 of its block's scale below the normal
     range) of the original bf16 value."""
     c = checkpoints["deepseek_v3"]
-    original = _tensors(c["original"])
-    published = _tensors(c["published"])
+    original = read_tensors(c["original"])
+    published = read_tensors(c["published"])
     assert len(c["expected"]) >= 20
     for name, decoded in c["expected"].items():
         w = original[name].float()
@@ -155,7 +155,7 @@ def test_export_of_a_published_directory_reloads_as_the_dequantized_model(checkp
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     assert (out / "chat_template.jinja").read_text() == CHAT_TEMPLATE
-    written = _tensors(out)
+    written = read_tensors(out)
     assert not any(k.endswith(("_blocks", "_scales", "_scale_inv")) for k in written)
     assert all(t.dtype in (torch.bfloat16, torch.float32) for t in written.values())
     side = sum(f.stat().st_size for f in c["published"].iterdir() if f.suffix != ".safetensors")
@@ -182,8 +182,8 @@ def test_save_pretrained_of_the_loaded_model_reloads_as_itself(checkpoints, arch
     loaded = build_model(checkpoints[arch]["published"], dtype=torch.bfloat16, attn_implementation="eager")
     loaded.save_pretrained(tmp_path / "saved")
     assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
-    saved = _tensors(tmp_path / "saved")
-    assert saved.keys() == _tensors(checkpoints[arch]["reference"]).keys()  # the float model's names
+    saved = read_tensors(tmp_path / "saved")
+    assert saved.keys() == read_tensors(checkpoints[arch]["reference"]).keys()  # the float model's names
     reloaded = build_model(tmp_path / "saved", dtype=torch.bfloat16, attn_implementation="eager")
     want = loaded.state_dict()
     assert all(torch.equal(t, want[n]) for n, t in reloaded.state_dict().items())

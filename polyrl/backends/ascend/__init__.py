@@ -168,7 +168,6 @@ class AscendBackend(Backend):
             env_defaults=env,
         )
 
-
     def all_to_all(self, output: Any, input: Any, output_split_sizes: list[int] | None,
                    input_split_sizes: list[int] | None, group: Any = None) -> None:
         """``Backend.all_to_all`` within HCCL's all-to-all dtypes: a tensor of another dtype (the bf16 rows of
@@ -177,7 +176,8 @@ class AscendBackend(Backend):
         import torch
 
         if str(input.dtype).removeprefix("torch.") in HCCL_ALL_TO_ALL_DTYPES:
-            return super().all_to_all(output, input, output_split_sizes, input_split_sizes, group)
+            super().all_to_all(output, input, output_split_sizes, input_split_sizes, group)
+            return
         if input.dim() == 0 or output.dim() == 0:
             raise ValueError("all_to_all exchanges rows: expected tensors with a first dimension")
 
@@ -189,7 +189,6 @@ class AscendBackend(Backend):
                            group)
         if target is not output:
             output.copy_(target)
-        return None
 
 
 @hookimpl

@@ -91,14 +91,13 @@ def check_sharding(backend: Backend, world_size: int, settings: ShardingConfig) 
         raise BadInputError(f"sharding.expert_parallel={ep} must divide the world size ({world_size} processes: "
                             "--nproc x --nnodes)")
     if ep > 1 and world_size > 1:  # the experts' two groups gather too: FSDP2 over world / ep, export over ep
-        refused = policy.world_sizes_refused
         for size, what in ((world_size // ep, f"FSDP2 shards the experts over groups of world / ep = {world_size // ep}"),
                            (ep, f"the expert-parallel groups have {ep} processes")):
-            if size in refused:
-                rule = policy.world_size_rule or f"{backend.collective_backend} refuses group sizes {list(refused)}"
+            rule = policy.refusal(size, backend.collective_backend)
+            if rule is not None:
                 raise BadInputError(f"sharding.expert_parallel={ep} on {world_size} processes: {what}, which backend "
                                     f"{backend.name!r} refuses ({rule}); choose an expert_parallel that makes "
-                                    f"neither ep nor world / ep one of {list(refused)}")
+                                    f"neither ep nor world / ep one of {list(policy.world_sizes_refused)}")
     if world_size > 1 and settings.enabled:
         missing = missing_fsdp2_methods()
         if missing:

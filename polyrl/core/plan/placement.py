@@ -86,16 +86,13 @@ def find_placement(cfg: RunConfig, backend: Any, *, nproc: int, max_nodes: int =
     best: tuple[float, int, int, MemoryPlan] | None = None
     for nnodes in range(1, max_nodes + 1):
         world = nproc * nnodes
-        try:  # the world sizes a run accepts: the backend's collective library, equal shares of the prompts
-            check_placement(_with_ep(cfg, 1), backend, world)
-        except BadInputError:
-            continue
         for ep in expert_parallel_sizes(world, num_experts):
-            try:  # the expert groups' sizes, which the collective library may refuse too
-                check_placement(_with_ep(cfg, ep), backend, world)
+            placed = _with_ep(cfg, ep)
+            try:  # what a run accepts: the collective library's group sizes (world, world / ep, ep), equal shares
+                check_placement(placed, backend, world)
             except BadInputError:
                 continue
-            plan = plan_memory(_with_ep(cfg, ep), backend, nproc=nproc, nnodes=nnodes,
+            plan = plan_memory(placed, backend, nproc=nproc, nnodes=nnodes,
                                device_memory_gib=device_memory_gib, vocab_size=vocab_size)
             if plan.fits:
                 return Placement(nproc, nnodes, ep, plan, True, [])

@@ -176,6 +176,12 @@ class ShardingPolicy:
     # divide factor 1.0 polyrl uses, the two are the same reduction, so SUM is the safe default everywhere).
     force_sum_reduction: bool = True
 
+    def refusal(self, size: int, collective_backend: str) -> str | None:
+        """Why the collective library refuses a process group of ``size`` ranks (the rule), or None."""
+        if size not in self.world_sizes_refused:
+            return None
+        return self.world_size_rule or f"{collective_backend} refuses world sizes {list(self.world_sizes_refused)}"
+
 
 class Backend:
     """Base class of every backend. Subclasses set the class attributes and override what they provide."""
@@ -310,10 +316,8 @@ class Backend:
         """Refuse world sizes the collective library cannot handle, with a clear message."""
         from polyrl.core.errors import BadInputError
 
-        policy = self.sharding_policy()
-        refused = policy.world_sizes_refused
-        if world_size in refused:
-            rule = policy.world_size_rule or f"{self.collective_backend} refuses world sizes {list(refused)}"
+        rule = self.sharding_policy().refusal(world_size, self.collective_backend)
+        if rule is not None:
             raise BadInputError(f"backend {self.name!r}: world size {world_size} is refused: {rule}")
 
     # --- expert parallelism (MoE) ---------------------------------------------------------------
