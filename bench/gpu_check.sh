@@ -11,6 +11,9 @@
 #   6. the fused lm_head + log-prob benchmark at GPT-OSS-20B width beside Liger / Cut Cross-Entropy when installed
 #   7. with two or more GPUs: one GPU against two (bench/two_gpu.py: curves, step time, memory, SIGKILL drill)
 #   8. the memory plan against a measured run: the 2-layer GPT-OSS-20B-width recipe (bench/memory_plan.py)
+#   9. the vllm rollout engine, where vLLM is importable (bench/vllm_carry.sh brings it to an offline machine):
+#      its life per model (bench/vllm_engine.py: build, sync s/GiB, probe in prefill and decode, sleep / wake),
+#      then the tiny recipes on rollout.engine=vllm, seeds $GPU_CHECK_SEEDS (bench/recipe_tiny.py --set)
 # Writes everything under ${GPU_CHECK_OUT:-gpu_check_out}/ and prints a summary; exit 1 if a step failed.
 #
 #   bash bench/gpu_check.sh            # all steps
@@ -18,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
-STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5 6 7 8"}
+STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5 6 7 8 9"}
 SEEDS=${GPU_CHECK_SEEDS:-"0 1 2"}
 WORKERS=${GPU_TEST_WORKERS:-3}  # pytest-xdist processes sharing the GPU: Triton compiles in parallel (8 ran out of memory)
 mkdir -p "$OUT"
@@ -85,11 +88,20 @@ elif want 7; then
   echo "=== two_gpu: not run: $ngpu GPU(s) on this machine" | tee -a "$OUT/not_run.txt"
 fi
 want 8 && step memory_plan $PY bench/memory_plan.py --out "$OUT/memory_plan.json"
+if want 9 && $PY -c "import vllm" 2>/dev/null; then
+  step vllm_engine $PY bench/vllm_engine.py --backend cuda ${GPU_VLLM_MODELS:-} --out "$OUT/vllm_engine.json"
+  # shellcheck disable=SC2086
+  step vllm_recipes $PY bench/recipe_tiny.py --backend cuda --set rollout.engine=vllm --recipes ${GPU_VLLM_RECIPES:-gpt_oss_dapo_tiny} \
+    --seeds $SEEDS --jobs "${GPU_CHECK_JOBS:-1}" --out "$OUT/recipe_tiny_cuda_vllm.json"
+elif want 9; then
+  echo "=== vllm: not run: vllm is not importable here (bench/vllm_carry.sh, docs/rollout.md)" | tee -a "$OUT/not_run.txt"
+fi
 
 echo "=== summary"
 for s in "${status[@]}"; do echo "$s"; done | tee "$OUT/summary.txt"
 cat "$OUT/not_run.txt" 2>/dev/null | tee -a "$OUT/summary.txt"
 grep -h "start-up" "$OUT"/profile_*.log 2>/dev/null | tee -a "$OUT/summary.txt"
 grep -hE "^(gpt_oss|deepseek)" "$OUT/recipes.log" 2>/dev/null | tee -a "$OUT/summary.txt"
+grep -hE "^(gpt_oss|deepseek)" "$OUT/vllm_engine.log" "$OUT/vllm_recipes.log" 2>/dev/null | sed 's/^/vllm: /' | tee -a "$OUT/summary.txt"
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null | tee -a "$OUT/summary.txt"
 for s in "${status[@]}"; do [[ $s == *"rc=0 "* ]] || exit 1; done

@@ -7,6 +7,10 @@ finished within 90 s on 2 CPU cores, last-10 reward >= 0.9 and >= first-10 + 0.5
     python bench/recipe_tiny.py                      # both recipes, seeds 0 1 2, one after the other
     python bench/recipe_tiny.py --jobs 3             # several at once, each pinned to its own 2 cores
                                                      # (taskset; for a bigger machine emulating 2 cores)
+    python bench/recipe_tiny.py --backend cuda --set rollout.engine=vllm   # recipe overrides for every run
+
+With a verified engine (vllm) each row also has the largest sync-probe difference of the run (prefill and
+decode, against its bar) and the median sync time.
 
 Prints a table and writes bench/results/recipe_tiny.json.
 """
@@ -52,6 +56,12 @@ def _summarise(recipe: str, seed: int, wall: float, rc: int, run_dir: Path, tail
         "value_loss_first10": _mean(vloss[:10]), "value_loss_last10": _mean(vloss[-10:]),
         "median_step_s": sorted(r["time/step_s"] for r in rows)[len(rows) // 2] if rows else None,
     }
+    probes = [r["rollout/sync_probe_diff"] for r in rows if "rollout/sync_probe_diff" in r]
+    if probes:  # an engine with its own weights: every sync was checked
+        syncs = sorted(r["time/sync_s"] for r in rows if "time/sync_s" in r)
+        res.update({"sync_probe_max": max(probes), "syncs_checked": len(probes),
+                    "logprob_diff_max": max((r.get("rollout/logprob_diff", 0.0) for r in rows), default=None),
+                    "median_sync_s": syncs[len(syncs) // 2] if syncs else None})
     res["wall_bar_s"] = wall_bar(recipe, backend)
     ok = rc == 0 and res["reward_last10"] is not None and wall <= res["wall_bar_s"]
     ok = ok and res["reward_last10"] >= BAR_LAST and res["reward_last10"] >= res["reward_first10"] + BAR_GAIN
@@ -64,9 +74,9 @@ def _summarise(recipe: str, seed: int, wall: float, rc: int, run_dir: Path, tail
 
 
 def _start(recipe: str, seed: int, out: Path, cores: str | None, backend: str | None,
-           emulate: bool = False) -> tuple[subprocess.Popen, float]:
+           emulate: bool = False, overrides: tuple[str, ...] = ()) -> tuple[subprocess.Popen, float]:
     cmd = [sys.executable, "-m", "polyrl", "run", f"recipes/{recipe}.yaml", "--seed", str(seed),
-           "--output", str(out), "--no-progress"]
+           "--output", str(out), "--no-progress", *overrides]
     if backend:
         cmd += ["--backend", backend]
     if emulate:
@@ -87,6 +97,8 @@ def main() -> int:
     ap.add_argument("--backend", default=None, help="e.g. cpu on a machine that also has an accelerator")
     ap.add_argument("--emulate", action="store_true",
                     help="pass --emulate (--backend ascend: its code on the CPU through the emulator, not an NPU)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override for every run (repeatable), e.g. rollout.engine=vllm")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "recipe_tiny.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
@@ -99,7 +111,8 @@ def main() -> int:
             recipe, seed = queue.pop(0)
             cores = f"{2 * slot},{2 * slot + 1}" if args.jobs > 1 else None
             run_dir = work / f"{recipe}-s{seed}"
-            running[slot] = (recipe, seed, run_dir, *_start(recipe, seed, run_dir, cores, args.backend, args.emulate))
+            running[slot] = (recipe, seed, run_dir, *_start(recipe, seed, run_dir, cores, args.backend, args.emulate,
+                                                                 tuple(args.overrides)))
         time.sleep(0.2)
         for slot, (recipe, seed, run_dir, proc, t0) in list(running.items()):
             if proc.poll() is None:
@@ -118,8 +131,12 @@ def main() -> int:
     for r in results:
         print(f"{r['recipe']:<20} {r['seed']:>4} {r['wall_s']:>7.1f} {r['steps']:>5} {fmt(r['reward_first10']):>9} "
               f"{fmt(r['reward_last10']):>8} {fmt(r['value_loss_first10']):>11} {fmt(r['value_loss_last10']):>10}  "
-              f"{'MET' if r['meets_bar'] else 'not met'} (<= {r['wall_bar_s']:.0f} s)")
+              f"{'MET' if r['meets_bar'] else 'not met'} (<= {r['wall_bar_s']:.0f} s)"
+              + (f"  step {r['median_step_s']:.3f} s" if r["median_step_s"] else "")
+              + (f"  probe max {r['sync_probe_max']:.2g} over {r['syncs_checked']} syncs, sync {r['median_sync_s']:.2f} s"
+                 if "sync_probe_max" in r else ""))
     report = {"host": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "backend": args.backend,
+              "overrides": args.overrides,
               "emulate": args.emulate, "sink_route": os.environ.get("POLYRL_ASCEND_SINK"), "python": sys.version.split()[0],
               "results": results}
     try:

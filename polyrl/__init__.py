@@ -8,7 +8,7 @@ place on import when transformers is installed (see :mod:`polyrl.core.attention.
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 
 def _install_moved_module_aliases() -> None:

@@ -17,17 +17,19 @@ import sys
 import warnings
 from typing import Any
 
-# old path -> (module that replaced it, what to import instead, release that removes the alias)
+# old path -> (module that replaced it, what to import instead, release that removes the alias). The removals
+# announced for 0.3.0 moved to 0.4.0: 0.3.0 asks plugin authors to move already (the Backend's parts), and one
+# release should not ask twice.
 MOVED: dict[str, tuple[str, str, str]] = {
-    "polyrl.testing.parity": ("polyrl.parity.harness", "polyrl.parity", "0.3.0"),
-    "polyrl.testing.train_parity": ("polyrl.parity.train", "polyrl.parity.train", "0.3.0"),
-    "polyrl.testing.parity_plot": ("polyrl.parity.plot", "polyrl.parity.plot", "0.3.0"),
-    "polyrl.testing.emulation": ("polyrl.emulation", "polyrl.emulation", "0.3.0"),
-    "polyrl.testing.npu_emulator": ("polyrl.emulation.npu", "polyrl.emulation.npu", "0.3.0"),
-    "polyrl.core.run.plan": ("polyrl.core.plan.memory", "polyrl.core.plan", "0.3.0"),
+    "polyrl.testing.parity": ("polyrl.parity.harness", "polyrl.parity", "0.4.0"),
+    "polyrl.testing.train_parity": ("polyrl.parity.train", "polyrl.parity.train", "0.4.0"),
+    "polyrl.testing.parity_plot": ("polyrl.parity.plot", "polyrl.parity.plot", "0.4.0"),
+    "polyrl.testing.emulation": ("polyrl.emulation", "polyrl.emulation", "0.4.0"),
+    "polyrl.testing.npu_emulator": ("polyrl.emulation.npu", "polyrl.emulation.npu", "0.4.0"),
+    "polyrl.core.run.plan": ("polyrl.core.plan.memory", "polyrl.core.plan", "0.4.0"),
     # Moved in 0.1.x without an alias; back as aliases in 0.2.0 so that plugins written against them load.
-    "polyrl.core.backend": ("polyrl.core.plugins.backend", "polyrl.plugins", "0.3.0"),
-    "polyrl.core.hookspecs": ("polyrl.core.plugins.hookspecs", "polyrl.plugins", "0.3.0"),
+    "polyrl.core.backend": ("polyrl.core.plugins.backend", "polyrl.plugins", "0.4.0"),
+    "polyrl.core.hookspecs": ("polyrl.core.plugins.hookspecs", "polyrl.plugins", "0.4.0"),
 }
 
 

@@ -17,9 +17,12 @@ A backend::
 
 and its test suite: ``run_conformance("rocm", dtype="bfloat16").ok`` (docs/plugins.md, "Conformance kit").
 
-- declaring a backend: :class:`Backend`, :class:`Availability`, :class:`ShardingPolicy` (the backend's FSDP
-  policy), :data:`CAPABILITIES` (the capability vocabulary), :data:`KERNELS` and :data:`REFERENCE_KERNELS`
-  (the kernel slots and polyrl's reference implementation of each);
+- declaring a backend: :class:`Backend` (the core protocol :class:`BackendCore` — identity, detection, devices,
+  kernels — composed with four parts, each a class to subclass when a backend changes it: :class:`Placement`,
+  :class:`Collectives`, :class:`EngineOptions`, :class:`Introspection`), :class:`Availability`,
+  :class:`ShardingPolicy` (the backend's FSDP policy), :data:`CAPABILITIES` (the capability vocabulary),
+  :data:`KERNELS` and :data:`REFERENCE_KERNELS` (the kernel slots and polyrl's reference implementation of each);
+  a fused expert exchange returns ``polyrl.core.plugins.expert_exchange.ExpertDispatch`` (it imports torch);
 - ``polyrl doctor`` rows: :class:`Compatibility`, :class:`Environment`, :class:`Problem`;
 - hooks: :data:`hookimpl` marks ``polyrl_register_backends`` / ``polyrl_register_tasks`` /
   ``polyrl_register_rollout_engines``; :func:`register_plugin` adds a plugin without an entry point;
@@ -38,13 +41,18 @@ from polyrl.core.plugins import (
     KERNELS,
     Availability,
     Backend,
+    BackendCore,
+    Collectives,
+    EngineOptions,
+    Introspection,
+    Placement,
     ShardingPolicy,
     hookimpl,
     list_backends,
     register_plugin,
     unregister_plugin,
 )
-from polyrl.core.plugins.backend import REFERENCE_KERNELS
+from polyrl.core.plugins.kernels import REFERENCE_KERNELS
 from polyrl.core.rollout.engine import RolloutEngine, RolloutOutput, SamplingParams
 from polyrl.core.tasks import Example, Task
 from polyrl.testing.conformance import (
@@ -67,11 +75,16 @@ __all__ = [
     "AttentionCase",
     "Availability",
     "Backend",
+    "BackendCore",
     "CaseResult",
+    "Collectives",
     "Compatibility",
     "ConformanceReport",
+    "EngineOptions",
     "Environment",
     "Example",
+    "Introspection",
+    "Placement",
     "Problem",
     "RolloutEngine",
     "RolloutOutput",

@@ -6,9 +6,12 @@
 2. Neither makes a hardware decision: no comparison with a device-type, vendor or collective-library name
    (``device.type == "cuda"``, ``name == "ascend"``, ``get_backend() == "gloo"``) and no ``torch.version.cuda``
    — such decisions are the Backend's.
-3. The package's import graph has no cycle and imports only go down the layer order below; and no cycle between
-   modules either, inside one unit included (``a.py`` importing ``b.py`` importing ``a.py``, even lazily,
-   works only as long as nobody reorders an import).
+3. The package's import graph has no cycle and imports only go down the layer order below — imports under
+   ``if TYPE_CHECKING:`` included: a type a unit names is a dependency on it, whether or not Python runs the
+   import; and no cycle between modules either, inside one unit included (``a.py`` importing ``b.py`` importing
+   ``a.py``, even lazily, works only as long as nobody reorders an import). Between modules of one unit only the
+   imports that run count: a part annotating the class that composes it (``BackendPart.backend: Backend``) can
+   reorder nothing.
 
 Each checker has a companion test that plants a violation and shows it is caught.
 """
@@ -135,15 +138,14 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
 
 
 def import_graph(pkg: Path) -> dict[str, set[tuple[str, str]]]:
-    """unit -> {(imported unit, 'file:line')}, function-level imports included, TYPE_CHECKING ones not."""
+    """unit -> {(imported unit, 'file:line')}, function-level and TYPE_CHECKING imports included."""
     name = pkg.name
     graph: dict[str, set[tuple[str, str]]] = {}
     for path in sorted(pkg.rglob("*.py")):
         src = _unit(_module_name(path, pkg))
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_nodes(tree)
         for node in ast.walk(tree):
-            if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             if isinstance(node, ast.ImportFrom):
                 if node.level or not node.module:
@@ -346,6 +348,20 @@ def test_the_cycle_checker_catches_a_cycle(tmp_path):
         "core/config/c.py": "from polyrl.core.errors import E\n",
     })
     assert cycles(import_graph(pkg)) == [["core.rewards", "core.tasks"]]
+
+
+def test_the_cycle_checker_sees_imports_made_only_for_type_checking(tmp_path):
+    # The 0.2 tree's circle: the Backend imported the expert exchange lazily, the exchange named the Backend in a
+    # type hint only.
+    pkg = _plant(tmp_path, {
+        "core/plugins/backend.py": "def expert_dispatch():\n    from polyrl.core.distributed.expert_parallel import dispatch\n",
+        "core/distributed/expert_parallel.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                                "    from polyrl.core.plugins.backend import Backend\n"),
+        "core/config/schema.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from polyrl.core.trainer import T\n",
+    })
+    graph = import_graph(pkg)
+    assert cycles(graph) == [["core.distributed", "core.plugins"]]
+    assert any("core.config (layer 1) imports core.trainer (layer 5)" in b for b in layer_violations(graph, LAYERS))
 
 
 def test_the_module_cycle_checker_catches_a_cycle_inside_one_unit(tmp_path):

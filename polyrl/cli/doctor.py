@@ -22,7 +22,7 @@ import sys
 from polyrl.core import compat
 from polyrl.core.errors import BadInputError
 from polyrl.core.plugins import Backend, get_registry
-from polyrl.core.plugins.backend import one_line
+from polyrl.core.plugins.kernels import one_line
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def _rows(backend: Backend) -> tuple[compat.Compatibility, str]:
     try:
-        rows = backend.compatibility()
+        rows = backend.introspection.compatibility()
         if not isinstance(rows, compat.Compatibility):
             raise TypeError(f"returned {type(rows).__name__}, not a polyrl.core.compat.Compatibility")
         return rows, ""

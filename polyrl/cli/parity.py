@@ -105,7 +105,7 @@ def main(args: argparse.Namespace) -> int:
         rows = run_parity(backend, levels, args.dtype, **options)
     else:
         how = "given by --dtype" if args.dtype else "the backend's own dtype policy"
-        print(f"parity of backend {backend.origin()} in {dtype} ({how}){' on its emulator' if emulate else ''}",
+        print(f"parity of backend {backend.introspection.origin()} in {dtype} ({how}){' on its emulator' if emulate else ''}",
               flush=True)
         for level in levels:
             print(f"  {level:<6} compared against {REFERENCES[level].format(dtype=dtype)}")

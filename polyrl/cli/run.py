@@ -13,6 +13,11 @@ import os
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from polyrl.core.config import RunConfig
+    from polyrl.core.plugins.backend import Backend
 
 STOP_SIGNUMS = (2, 15, 1)  # SIGINT, SIGTERM, SIGHUP: the user's stop (one line says how to resume)
 
@@ -75,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     from polyrl.core import distributed as D
     from polyrl.core.config import load_config
     from polyrl.core.errors import BadInputError
-    from polyrl.core.plugins.selection import set_active_backend
+    from polyrl.core.plugins.selection import resolve_backend
 
     if args.emulate:
         from polyrl.emulation import enable_emulation
@@ -90,14 +95,14 @@ def main(args: argparse.Namespace) -> int:
         return dry_run(cfg, nproc=args.nproc, nnodes=args.nnodes, as_json=args.json, device_memory_gib=args.device_memory)
     if args.nnodes != 1 or args.json or args.device_memory is not None:  # a multi-node run: torchrun per node
         raise BadInputError("--nnodes, --json and --device-memory go with --dry-run")
-    backend = set_active_backend(cfg.backend.name)
+    backend = resolve_backend(cfg.backend.name)  # passed down and bound where models are built, never global
     cfg.backend.name = backend.name  # the resolved config names what actually ran
     if args.nproc > 1 and not D.under_torchrun():
         return _launch(args, cfg, backend)
     return _run_process(args, cfg, backend)
 
 
-def _launch(args: argparse.Namespace, cfg, backend) -> int:
+def _launch(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
     """Validate what needs no process group (bad input: exit 2), lock the run directory until the last worker has
     ended (rank 0 recognises its launcher as the holder), run ``--nproc`` torchrun workers, say how it ended."""
     from polyrl.core.distributed.launch import launch_torchrun
@@ -129,7 +134,7 @@ def _launch(args: argparse.Namespace, cfg, backend) -> int:
     return code
 
 
-def _run_process(args: argparse.Namespace, cfg, backend) -> int:
+def _run_process(args: argparse.Namespace, cfg: RunConfig, backend: Backend) -> int:
     """One process of the run: lifeline, signals, process group, trainer, lock, ``Trainer.train()``, exit code."""
     from polyrl.core import distributed as D
     from polyrl.core.distributed import launch as L
@@ -137,6 +142,7 @@ def _run_process(args: argparse.Namespace, cfg, backend) -> int:
     from polyrl.core.errors import BadInputError
     from polyrl.core.run.directory import RunDir, check_unlocked, lock_run_dir
     from polyrl.core.run.outcome import stopped_message
+    from polyrl.core.run.report import events_missing
     from polyrl.core.trainer import RunFault, RunStopped, Trainer, TrainingAborted
 
     worker = D.under_torchrun()
@@ -162,6 +168,8 @@ def _run_process(args: argparse.Namespace, cfg, backend) -> int:
         out = Path(D.broadcast_object(str(_output(args))))
         lock = lock_run_dir(out, delegated_by=L.launcher_pid() if worker else None)
         run_dir = RunDir(out, is_main=D.is_main_process())
+        if D.is_main_process() and (missing := events_missing()):
+            say(missing)  # the run goes on: metrics.jsonl is the record, events/ a view of it
         bar = (not args.no_progress and sys.stderr.isatty()) or os.environ.get("POLYRL_PROGRESS", "") == "1"
         last = trainer.train(run_dir, resume_from=args.resume_from, progress=cfg.trainer.progress_bar and bar, log=say)
         say(f"done: {out} (step {trainer.state.step}, reward/mean {last['reward/mean']:.3f})" if last
@@ -179,10 +187,12 @@ def _run_process(args: argparse.Namespace, cfg, backend) -> int:
         say(f"error: {exc}")  # once, from rank 0
         rc = 2
     except RunStopped as exc:
+        P.exit_if_a_peer_ended_first()
         if P.says_the_stop_line():
             say(exc.message)
         rc = 128 + exc.signum
     except KeyboardInterrupt:  # stopped while starting (before the run directory was opened)
+        P.exit_if_a_peer_ended_first()
         signum = L.stop_signal() or 2
         if P.says_the_stop_line():
             ckpts = Path(args.output) / "checkpoints" if args.output else None  # else a new directory anyway

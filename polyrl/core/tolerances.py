@@ -247,3 +247,12 @@ TOLERANCES[("recipe.emulated_steps", "float32")] = 1e-5
 TOLERANCES[("rollout.sync_probe", "float32")] = 1e-3
 TOLERANCES[("rollout.sync_probe", "bfloat16")] = 1e-1
 TOLERANCES[("rollout.sync_probe", "float16")] = 1e-1
+# Below fp32 a model can be more sensitive to rounding than any fixed bar allows: 2 layers at GPT-OSS-20B width
+# (random init, 32 experts: router near-ties flip experts) put the trainer itself in bf16 max 1.09 nats from the
+# same weights in fp32 on the probe (8 experts 0.84; tiny GPT-OSS 2.3e-3), and vLLM's bf16 engine on an H200 at
+# 0.96 / 1.17. Where the fixed bar is exceeded the probe measures the model's own floor (``sync.precision_floor``:
+# the trainer's log-probs with one unit roundoff of the engine's dtype injected as noise into every layer's output,
+# two draws; measured at that width 0.91-1.13 with 32 experts, 0.33-0.71 with 8; tiny 3e-3) and the bar becomes this
+# many times the floor. The estimate came within 0.65-1.05x of the bf16-vs-fp32 floor on the CPU; 3x leaves room.
+TOLERANCES[("rollout.sync_probe_floor_factor", "bfloat16")] = 3.0
+TOLERANCES[("rollout.sync_probe_floor_factor", "float16")] = 3.0

@@ -2,8 +2,8 @@
 
 Only the ascend backend has one today: :func:`enable_emulation("ascend") <enable_emulation>` switches the backend
 to CPU mode (``POLYRL_ASCEND_ON_CPU=1``: the host is its device), registers its collective library — gloo behind
-HCCL's rules (polyrl.emulation.hccl: the dtypes, reduce ops and world sizes HCCL refuses, with its error text) —
-and places the packaged emulator of the documented torch_npu API (polyrl.emulation.npu) in ``sys.modules["torch_npu"]``.
+HCCL's rules (polyrl.emulation.hccl: the dtypes and reduce ops HCCL refuses, with its error text; its int32 cast
+and AVG; the all-to-all types of the release) — and places the packaged emulator of the documented torch_npu API (polyrl.emulation.npu) in ``sys.modules["torch_npu"]``.
 Everything else — the attention route, the sink detection, the guards, the trainer — is the code that would run
 on an NPU. An emulated run proves those code paths against the documented API; it says nothing about an NPU.
 

@@ -33,11 +33,22 @@ something). What it emulates:
   ``npu_fusion_attention_grad``; softmax_max / softmax_sum are differentiable outputs
   (``output_differentiability: [true, true, true, true, ...]``: they require grad) whose gradients the formula
   never reads — a loss through them trains nothing, silently, as on the device;
-- MoE: ``npu_grouped_matmul`` and no ``torch._grouped_mm`` for the ascend backend's experts
+- MoE: ``npu_grouped_matmul``, ``npu_grouped_matmul_add_`` and no ``torch._grouped_mm`` for the ascend backend's experts
   (polyrl.emulation.npu_moe);
 - ``npu_fusion_attention_grad`` recomputes the probabilities from the GIVEN softmax_max / softmax_sum and
   takes ``rowsum(dy * attention_in)`` from the GIVEN attention_in — which is what makes the LSE-correction
   route for sinks (polyrl.backends.ascend.attention) testable here.
+
+Where each rule is written (op-plugin = Ascend/op-plugin at the branch named; Ascend/pytorch at the tag named):
+the arguments, layouts, sparse modes and compressed mask, the sink's dtype and shape, the limits, fp32 from CANN
+8.2.RC1 and ``softmax_layout`` from CANN 8.3.RC1: op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``@7.2.0
+and @7.3.0 (parameters, 约束说明); the signatures per release: ``op_plugin/config/op_plugin_functions.yaml``@7.1.0,
+@7.2.0, @7.3.0, @26.0.0; the pre-launch checks and their wording, and Ascend 950's forward without ``sink=``:
+``op_plugin/ops/opapi/FlashAttentionKernelNpuOpApi.cpp``@7.3.0 (l. 255, 1081) and @26.0.0; the outputs'
+differentiability and the grad formula: ``op_plugin/config/derivatives.yaml``@7.3.0; the default statistics offsets:
+hicann ops-transformer ``attention/flash_attention_score/op_kernel/flash_attention_score_s1s2_bn2gs1.h`` (master);
+which torch_npu belongs to which release: Ascend/pytorch ``version.txt`` at v7.2.0-pytorch2.6.0 ... v7.3.0-pytorch2.9.0
+(polyrl.emulation.npu_releases). The MoE ops cite theirs in polyrl.emulation.npu_moe, HCCL's in polyrl.emulation.hccl.
 
 Not emulated (refused loudly): other layouts, keep_prob < 1 (dropout), pse, padding_mask, prefix, sparse
 modes 1/5/6/7/8, the ``npu`` device (tensors stay on the CPU; the backend takes its device from the inputs).
@@ -55,7 +66,7 @@ from typing import Any
 
 import torch
 
-from polyrl.emulation.npu_moe import npu_grouped_matmul, refuse_grouped_mm, restore_grouped_mm
+from polyrl.emulation.npu_moe import grouped_matmul_add, npu_grouped_matmul, refuse_grouped_mm, restore_grouped_mm
 from polyrl.emulation.npu_releases import RELEASES, release_at_least, release_of
 
 __all__ = ["RELEASES", "NpuEmulator", "emulated_ascend_backend", "install_emulator", "release_at_least", "release_of"]
@@ -522,6 +533,7 @@ class NpuEmulator:
         mod.npu_fusion_attention = self.npu_fusion_attention
         mod.npu_fusion_attention_grad = self.npu_fusion_attention_grad
         mod.npu_grouped_matmul = npu_grouped_matmul  # polyrl.emulation.npu_moe
+        mod.npu_grouped_matmul_add_ = grouped_matmul_add(release_at_least(self.release, "26.0.0"))
         npu = types.ModuleType("torch_npu.npu")
         npu.utils = types.ModuleType("torch_npu.npu.utils")
         npu.utils.get_cann_version = self.get_cann_version

@@ -1,20 +1,38 @@
-"""The emulated NPU's MoE matmuls: ``npu_grouped_matmul`` as documented, and no ``torch._grouped_mm``.
+"""The emulated NPU's MoE matmuls: ``npu_grouped_matmul`` and ``npu_grouped_matmul_add_`` as documented, and no
+``torch._grouped_mm``.
 
-Part of the torch_npu emulator (polyrl.emulation.npu), on the CPU, never a claim about hardware.
+Part of the torch_npu emulator (polyrl.emulation.npu), on the CPU, never a claim about hardware. Each rule cites
+its source (op-plugin = Ascend/op-plugin at the branch named; ops-transformer = CANN's kernels, hicann
+ops-transformer on gitcode).
 
-``npu_grouped_matmul`` (op-plugin ``docs/zh/custom_APIs/torch_npu/torch_npu-npu_grouped_matmul.md``; the
-signature of ``op_plugin/config/op_plugin_functions.yaml`` on the 7.2.0 / 7.3.0 branches), the non-quantized
-single-tensor cases of Atlas A2/A3 with ``group_list`` a Tensor:
+``npu_grouped_matmul`` (signature: op-plugin ``op_plugin/config/op_plugin_functions.yaml``@7.2.0 and @7.3.0; cases:
+``docs/context/torch_npu-npu_grouped_matmul.md``@7.3.0, the table of Atlas A2/A3 scenarios, l. 257-273), the
+non-quantized single-tensor case with ``group_list`` a Tensor:
 
-- ``group_type=0`` (groups along M): x [M, K] not transposed, weight one tensor [E, K, N] (contiguous, or the
-  transposed view of a contiguous [E, N, K]), y [M, N]; ``group_type=2`` (groups along K): x [K, M] given
-  transposed (a view of a contiguous [M, K]), weight [M, N] not transposed, y [E, K, N];
+- ``group_type=0`` (groups along M) only: x [M, K] not transposed ("x不支持转置"), weight one tensor [E, K, N]
+  (contiguous, or the transposed view of a contiguous [E, N, K]: "支持weight转置"), y [M, N]. The page lists
+  group_type -1 and 0 for A2/A3; ``group_type=2`` (groups along K, the weight gradient) is not among them and is
+  refused here — its documented op is ``npu_grouped_matmul_add_`` (below);
 - ``split_item`` 2 or 3 (one output tensor); ``group_list_type`` 0 (cumulative ends, non-decreasing, the last
-  equal to the grouped axis) or 1 (sizes, summing to it); at most 1024 groups; inner axes < 65536;
+  equal to M) or 1 (sizes, summing to M); at most 1024 groups; inner axes < 65536 (the same page);
 - float16, bfloat16 or float32, x and weight alike; the output in x's dtype (fp32 accumulation);
 - no autograd formula (op-plugin's derivatives.yaml has none): a backward through it raises.
 Everything else (lists of several tensors, quantization, bias, activation, group_list as a list) is refused
 as not emulated.
+
+``npu_grouped_matmul_add_(y, x, weight, group_list, *, transpose_x=True, transpose_weight=False, group_type=2)``
+(signature: op_plugin_functions.yaml@7.1.0 to @7.3.0; 26.0.0 adds ``group_list_type=0``), in place
+``y_e += x_e^T @ weight_e`` with the rows of x and weight grouped along the reduced axis:
+
+- ``group_type`` 2 only (op-plugin ``op_plugin/python/meta/_meta_registrations.py``@7.3.0: "group_type only
+  supports 2"); ``transpose_x=True``, ``transpose_weight=False`` (the only case op-plugin's
+  ``test/test_custom_ops/test_npu_grouped_matmul_add.py``@7.3.0 runs; ops-transformer
+  ``gmm/grouped_matmul_add/README.md``: K-axis groups);
+- x [K, M] and weight [K, N], both contiguous, float16 or bfloat16 alike; y float32, [E * M, N] (the upstream
+  test's shape) (ops-transformer README: x / weight FLOAT16, BFLOAT16; y FLOAT32);
+- ``group_list`` a 1-D int64 tensor of cumulative ends along K (the 7.x schema has no ``group_list_type``; the
+  upstream test passes [256, 512]); from 26.0.0 ``group_list_type=0`` (cumulative) is the only one emulated;
+- no autograd formula.
 
 ``torch._grouped_mm`` / ``torch.nn.functional.grouped_mm``: op-plugin registers ``_scaled_grouped_mm`` but no
 ``_grouped_mm`` for the NPU, so the dispatcher refuses it there. While the emulator is installed both are
@@ -118,26 +136,57 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             out[start:start + n] = (a[start:start + n].float() @ w[e].float()).to(a.dtype)
             start += n
     elif group_type == 2:
-        if a.dim() != 2 or w.dim() != 2:
-            raise RuntimeError(f"npu_grouped_matmul: group_type=2 needs x and weight 2-D, got {tuple(a.shape)} and "
-                               f"{tuple(w.shape)}")
-        if not _transposed_view(a):
-            raise RuntimeError("npu_grouped_matmul: group_type=2 needs x transposed ([K, M], a view of [M, K])")
-        if not w.is_contiguous():
-            raise RuntimeError("npu_grouped_matmul: group_type=2 does not support a transposed weight")
-        if a.shape[1] != w.shape[0]:
-            raise RuntimeError(f"npu_grouped_matmul: x [K, M={a.shape[1]}] does not match weight [M={w.shape[0]}, N]")
-        sizes = _sizes(group_list, group_list_type, a.shape[1], "M")
-        out = torch.zeros(len(sizes), a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
-        start = 0
-        for e, n in enumerate(sizes):
-            out[e] = (a[:, start:start + n].float() @ w[start:start + n].float()).to(a.dtype)
-            start += n
+        raise RuntimeError("npu_grouped_matmul: group_type=2 (groups along K) with a transposed x is not a documented "
+                           "case on Atlas A2/A3 (op-plugin's documentation of the op lists group_type -1 and 0, x "
+                           "not transposed); the weight gradient's op is npu_grouped_matmul_add_")
     else:
         raise NotImplementedError(f"npu emulator: npu_grouped_matmul group_type {group_type} is not emulated")
     if torch.is_grad_enabled() and (a.requires_grad or w.requires_grad):
         out = _NoGrad.apply(out, a, w)
     return [out]
+
+
+_ADD_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def grouped_matmul_add(release_has_group_list_type: bool) -> Any:
+    """``npu_grouped_matmul_add_`` with the signature of a release (``group_list_type`` from 26.0.0)."""
+
+    def npu_grouped_matmul_add_(y, x, weight, group_list, *, transpose_x=True, transpose_weight=False,
+                                group_type=2, **extra):
+        if extra and (not release_has_group_list_type or set(extra) != {"group_list_type"}):
+            raise TypeError(f"npu_grouped_matmul_add_() got an unexpected keyword argument {next(iter(extra))!r}")
+        if extra.get("group_list_type", 0) != 0:
+            raise NotImplementedError("npu emulator: npu_grouped_matmul_add_ with group_list_type != 0 is not emulated")
+        if group_type != 2:
+            raise RuntimeError(f"group_type only supports 2, but got {group_type}")
+        if not transpose_x or transpose_weight:
+            raise NotImplementedError("npu emulator: npu_grouped_matmul_add_ is emulated with transpose_x=True, "
+                                      "transpose_weight=False only (the documented case)")
+        if x.dim() != 2 or weight.dim() != 2 or not x.is_contiguous() or not weight.is_contiguous():
+            raise RuntimeError(f"npu_grouped_matmul_add_: x [K, M] and weight [K, N] must be 2-D and contiguous, got "
+                               f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        if x.dtype not in _ADD_DTYPES or weight.dtype != x.dtype:
+            raise RuntimeError(f"npu_grouped_matmul_add_: x {x.dtype} with weight {weight.dtype}: both must be float16 "
+                               "or bfloat16, alike")
+        if y.dtype != torch.float32 or not y.is_contiguous():
+            raise RuntimeError(f"npu_grouped_matmul_add_: y must be a contiguous float32 tensor, got {y.dtype}")
+        if x.shape[0] != weight.shape[0]:
+            raise RuntimeError(f"npu_grouped_matmul_add_: x [K={x.shape[0]}, M] does not match weight "
+                               f"[K={weight.shape[0]}, N]")
+        sizes = _sizes(group_list, 0, x.shape[0], "K")
+        m, n = x.shape[1], weight.shape[1]
+        if y.dim() != 2 or tuple(y.shape) != (len(sizes) * m, n):
+            raise RuntimeError(f"npu_grouped_matmul_add_: y must be [groups * M, N] = [{len(sizes) * m}, {n}], got "
+                               f"{tuple(y.shape)}")
+        out = y.view(len(sizes), m, n)
+        start = 0
+        for e, k in enumerate(sizes):
+            out[e] += x[start:start + k].float().t() @ weight[start:start + k].float()
+            start += k
+        return y
+
+    return npu_grouped_matmul_add_
 
 
 # --- no torch._grouped_mm on the emulated NPU -------------------------------------------------------------

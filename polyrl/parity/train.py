@@ -107,7 +107,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
     import torch
 
     from polyrl.core.plugins import list_backends
-    from polyrl.core.trainer import Trainer
+    from polyrl.core.trainer import Trainer, flatten
     from polyrl.parity.rows import FAIL, NOT_RUN, PASS, ParityRow
 
     cpu = list_backends()["cpu"]
@@ -139,7 +139,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
         models = {"actor": ref.models.actor, "critic": ref.models.critic}
         before_ref = {k: _snapshot(m) for k, m in models.items() if m is not None}
         inputs = ref.prepare_update(exp)  # old log-probs, advantages, returns: the update's whole input
-        m_ref = ref.update(inputs).values
+        m_ref = flatten(ref.update(inputs))  # metric name -> value, as the run logs them
         after_ref = {k: _snapshot(m) for k, m in models.items() if m is not None}
         # 2. the backend: same seed, its own generation (for the rollout counters), then the same update inputs
         dut = Trainer(cfg, backend)  # its models' attention is bound to ``backend`` when they are built
@@ -148,7 +148,7 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
         dt = getattr(torch, run_dtype)  # the reference's weights rounded to the backend's dtype
         same_init = all(torch.equal(before[k][n], before_ref[k][n].to(dt).double()) for k in before for n in before[k])
         own = dut.collect()
-        m_got = dut.update(inputs.to(dut.device)).values
+        m_got = flatten(dut.update(inputs.to(dut.device)))
         after = {k: _snapshot(m) for k, m in dmodels.items() if m is not None}
         if not same_init:
             emit(ParityRow("step", f"{name}: initial weights", FAIL,

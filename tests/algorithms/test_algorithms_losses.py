@@ -112,3 +112,11 @@ def test_entropy_loss_is_aggregate() -> None:
     m = torch.tensor([[1, 0], [1, 1]])
     assert A.entropy_loss(ent, m).item() == pytest.approx(8 / 3)
     assert A.entropy_loss(ent, m, agg="seq-mean-token-mean").item() == pytest.approx((1 + 3.5) / 2)
+
+
+def test_the_clip_fractions_of_each_side_are_of_the_losss_ratio():
+    """Which side of the clip range the ratio hit, from the ratio the loss itself uses (DAPO clip-higher)."""
+    ratio = torch.tensor([[1.5, 0.5, 1.1, 1.0, 0.7, 2.0]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0, -1.0]])  # clipped high, low, inside, inside, wrong side x2
+    _, met = A.policy_loss(ratio.log(), torch.zeros(1, 6), adv, torch.ones(1, 6), clip_low=0.2, clip_high=0.28)
+    assert met["clipfrac_high"].item() == pytest.approx(1 / 6) and met["clipfrac_low"].item() == pytest.approx(1 / 6)

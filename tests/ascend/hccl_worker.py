@@ -4,7 +4,9 @@ to ``<out>/rank<R>.json``. Scenarios:
 - ``emulated``: the ascend backend in CPU mode (``enable_emulation``), its process group opened by
   ``init_distributed``: what HCCL refuses is refused, and polyrl's collectives give the float64 numbers;
 - ``gloo``: plain gloo, the gather reduction forced, against gloo's own float64 all-reduce;
-- ``world``: the emulated HCCL group opened directly with any world size: the all-gather into one tensor.
+- ``world``: the emulated HCCL group opened directly with any world size (3 included): the gathers into one tensor.
+
+The emulated torch_npu release is ``POLYRL_NPU_EMULATOR_VERSION`` (HcclAlltoAllV's types depend on it).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -43,18 +46,18 @@ def _reduce_all(D, rank: int, world: int) -> dict:
 
 
 def _all_to_all(backend, rank: int, world: int) -> dict:
-    """bf16 rows (as expert parallelism sends them) with uneven splits: rank p sends 1 + p + 2q rows to rank q.
-    HCCL's all-to-all refuses bf16; the backend's all_to_all must deliver every row bit for bit."""
-    def sent(p: int, shape_tail: tuple[int, ...]) -> torch.Tensor:
-        n = sum(1 + p + 2 * q for q in range(world))
-        return torch.randn(n, *shape_tail, generator=torch.Generator().manual_seed(50 + p)).to(torch.bfloat16)
+    """bf16 rows (as expert parallelism sends them) with uneven splits: rank p sends 1 + p + 2q rows to rank q;
+    then splits where rank 0 sends and receives no rows at all (0-row tensors). Before torch_npu 2.8.0.post2
+    HCCL's all-to-all refuses bf16; the backend's all_to_all must deliver every row bit for bit on every release."""
+    def exchange(name: str, tail: tuple[int, ...], rows: Callable[[int, int], int]) -> None:
+        def sent(p: int) -> torch.Tensor:
+            n = sum(rows(p, q) for q in range(world))
+            return torch.randn(n, *tail, generator=torch.Generator().manual_seed(50 + p)).to(torch.bfloat16)
 
-    out = {}
-    for name, tail in (("rows", (6,)), ("vector", ())):
-        send = [1 + rank + 2 * q for q in range(world)]
-        recv = [1 + p + 2 * rank for p in range(world)]
-        mine = sent(rank, tail)
-        want = torch.cat([sent(p, tail).split([1 + p + 2 * q for q in range(world)])[rank] for p in range(world)])
+        send = [rows(rank, q) for q in range(world)]
+        recv = [rows(p, rank) for p in range(world)]
+        mine = sent(rank)
+        want = torch.cat([sent(p).split([rows(p, q) for q in range(world)])[rank] for p in range(world)])
         got = torch.full((sum(recv), *tail), float("nan"), dtype=torch.bfloat16)
         try:
             dist.all_to_all_single(got, mine, recv, send)
@@ -64,10 +67,16 @@ def _all_to_all(backend, rank: int, world: int) -> dict:
         got.fill_(float("nan"))
         backend.all_to_all(got, mine, recv, send)
         out[f"{name}/exact"] = bool(torch.equal(got.view(torch.int16), want.view(torch.int16)))
-        counts = torch.arange(world, dtype=torch.int64) + 10 * rank  # the row counts travel as int64
-        back = torch.empty_like(counts)
-        backend.all_to_all(back, counts, None, None)
-        out["counts"] = back.tolist()
+        out[f"{name}/rows"] = [int(mine.shape[0]), int(got.shape[0])]
+
+    out: dict = {}
+    exchange("rows", (6,), lambda p, q: 1 + p + 2 * q)
+    exchange("vector", (), lambda p, q: 1 + p + 2 * q)
+    exchange("empty", (6,), lambda p, q: 0 if p == 0 or q == 0 else 3)
+    counts = torch.arange(world, dtype=torch.int64) + 10 * rank  # the row counts travel as int64
+    back = torch.empty_like(counts)
+    backend.all_to_all(back, counts, None, None)
+    out["counts"] = back.tolist()
     return out
 
 
@@ -81,13 +90,26 @@ def emulated(rank: int, world: int) -> dict:
     D.init_distributed(backend)
     seen: dict = {"backend": dist.get_backend()}
     for name, call in (("fp64", lambda: dist.all_reduce(torch.ones(2, dtype=torch.float64))),
-                       ("bool", lambda: dist.all_reduce(torch.ones(2, dtype=torch.bool))),
-                       ("avg", lambda: dist.all_reduce(torch.ones(2), op=dist.ReduceOp.AVG))):
+                       ("bool", lambda: dist.all_reduce(torch.tensor([True, False]))),
+                       ("bool_reduce_scatter", lambda: dist.reduce_scatter_tensor(
+                           torch.empty(1, dtype=torch.bool), torch.ones(world, dtype=torch.bool))),
+                       ("avg", lambda: dist.all_reduce(torch.full((2,), 1.0 + rank), op=dist.ReduceOp.AVG)),
+                       ("band", lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.BAND))):
         try:
             call()
             seen[name] = "accepted"
         except RuntimeError as exc:
             seen[name] = str(exc)
+    got = torch.tensor([rank == 0, False])  # HCCL: cast to int32, summed, copied back: an OR over ranks
+    dist.all_reduce(got)
+    seen["bool_value"] = got.tolist()
+    got = torch.full((2,), 1.0 + rank)  # AVG: a SUM, then a division by the group size
+    dist.all_reduce(got, op=dist.ReduceOp.AVG)
+    seen["avg_value"] = got.tolist()
+    got = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(2)
+    dist.reduce_scatter_tensor(out, got, op=dist.ReduceOp.AVG)
+    seen["avg_reduce_scatter"] = out.tolist()
     seen["reductions"] = _reduce_all(D, rank, world)
     seen["metrics"] = D.all_reduce_metrics({"a": 1.5 + rank, "n": 10.0 * (rank + 1)}, op="sum")
     seen["all_to_all"] = _all_to_all(backend, rank, world)

@@ -69,11 +69,11 @@ def test_npu_grouped_matmul_as_documented(npu) -> None:
     cum = gmm([x], [w], group_list=counts.cumsum(0), split_item=2, group_type=0, group_list_type=0)[0]
     assert torch.equal(cum, y)
     dy = torch.randn(7, 4, generator=gen)
-    dw = gmm([x.t()], [dy], group_list=counts, split_item=3, group_type=2, group_list_type=1)[0]
-    assert dw.shape == (3, 5, 4) and torch.allclose(dw[2], x[2:].t() @ dy[2:]) and not dw[1].any()
+    # the weight gradient an earlier polyrl took from it: not a case the documentation lists for Atlas A2/A3
+    with pytest.raises(RuntimeError, match=r"group_type=2 .* not a documented case.*npu_grouped_matmul_add_"):
+        gmm([x.t()], [dy], group_list=counts, split_item=3, group_type=2, group_list_type=1)
     for bad, match in (
         (dict(x=[x.t().contiguous().t()], group_type=0), "does not support a transposed x"),
-        (dict(x=[x], weight=[dy], group_type=2), "needs x transposed"),
         (dict(group_list=torch.tensor([2, 0, 4])), "sum to M=7"),
         (dict(group_list=[2, 0, 5]), "not emulated"),
         (dict(weight=[w.double()]), "not a supported non-quantized pair"),
@@ -85,6 +85,53 @@ def test_npu_grouped_matmul_as_documented(npu) -> None:
     leaf = x.clone().requires_grad_()
     with pytest.raises(RuntimeError, match="no autograd formula"):
         gmm([leaf], [w], group_list=counts, split_item=3, group_type=0, group_list_type=1)[0].sum().backward()
+
+
+def test_npu_grouped_matmul_add_as_documented(npu) -> None:
+    """y[e] += x_e^T @ w_e, groups along the reduced axis (cumulative ends), fp16/bf16 in, fp32 y in place."""
+    add = npu.module.npu_grouped_matmul_add_
+    gen = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(7, 5, generator=gen).bfloat16(), torch.randn(7, 4, generator=gen).bfloat16()
+    ends = torch.tensor([2, 2, 7])  # expert 1 has no rows
+    y = torch.ones(3 * 5, 4)
+    assert add(y, x, dy, ends, transpose_x=True, transpose_weight=False, group_type=2) is y
+    want = torch.stack([x[:2].float().t() @ dy[:2].float(), torch.zeros(5, 4), x[2:].float().t() @ dy[2:].float()])
+    assert torch.allclose(y.view(3, 5, 4), want + 1)
+    for args, kwargs, match in (
+        ((y, x, dy, ends), dict(group_type=0), "group_type only supports 2"),
+        ((y, x.float(), dy.float(), ends), {}, "float16 or bfloat16"),
+        ((y.bfloat16(), x, dy, ends), {}, "float32"),
+        ((y, x, dy, torch.tensor([2, 0, 5])), {}, "non-decreasing and end at K=7"),
+        ((y, x, dy, ends), dict(transpose_x=False), "emulated with transpose_x=True"),
+        ((y, x, dy, ends), dict(group_list_type=1), "unexpected keyword argument 'group_list_type'"),  # 7.x schema
+        ((torch.ones(3, 5, 4), x, dy, ends), {}, r"\[groups \* M, N\]"),
+    ):
+        with pytest.raises((RuntimeError, NotImplementedError, TypeError), match=match):
+            add(*args, **kwargs)
+
+
+def test_the_experts_weight_gradient_uses_the_documented_op(npu, monkeypatch) -> None:
+    """bf16 experts: the weight gradient through npu_grouped_matmul_add_ (never npu_grouped_matmul group_type=2);
+    fp32 experts: no NPU op takes fp32 there, one matmul per expert."""
+    from polyrl.backends.ascend.experts import GroupedMatmul
+
+    calls = []
+    real_add, real_gmm = npu.module.npu_grouped_matmul_add_, npu.module.npu_grouped_matmul
+    monkeypatch.setattr(npu.module, "npu_grouped_matmul_add_", lambda *a, **k: calls.append("add") or real_add(*a, **k))
+    monkeypatch.setattr(npu.module, "npu_grouped_matmul",
+                        lambda *a, **k: calls.append(f"gmm{k['group_type']}") or real_gmm(*a, **k))
+    gen = torch.Generator().manual_seed(4)
+    counts = torch.tensor([3, 0, 2])
+    for dtype, want in ((torch.bfloat16, ["gmm0", "gmm0", "add"]), (torch.float32, ["gmm0", "gmm0"])):
+        calls.clear()
+        x = torch.randn(5, 6, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(3, 6, 4, generator=gen).to(dtype).requires_grad_()
+        dy = torch.randn(5, 4, generator=gen).to(dtype)
+        GroupedMatmul.apply(x, w, counts).backward(dy)
+        assert calls == want, (dtype, calls)
+        ref = torch.stack([x[:3].float().t() @ dy[:3].float(), torch.zeros(6, 4), x[3:].float().t() @ dy[3:].float()])
+        assert torch.allclose(w.grad.float(), ref.to(dtype).float(), rtol=1e-2, atol=1e-2)
+        assert not w.grad[1].any()
 
 
 def test_the_refusal_leaves_with_the_emulator() -> None:

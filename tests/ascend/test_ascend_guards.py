@@ -105,14 +105,26 @@ def test_float32_on_an_old_cann_is_refused_with_what_to_change():
 
 
 # --- statistics layout and sequence ends ------------------------------------------------------------
-@pytest.mark.parametrize(("version", "cann", "layout"), [("2.9.0", "8.5.0", "TND"), ("2.8.0", "8.3.RC1", "")])
-def test_lse_route_uses_token_order_statistics_where_the_release_has_them(monkeypatch, version, cann, layout):
+@pytest.mark.parametrize(("version", "cann"), [("2.9.0", "8.5.0"), ("2.8.0", "8.3.RC1"), ("2.7.1", "8.3.RC1")])
+def test_lse_route_asks_for_token_order_statistics(monkeypatch, version, cann):
     monkeypatch.setenv(SINK_ENV, "lse")
     inputs, cu, s, d_out = _case([1, 6, 2], hq=4, hkv=2)
     with install_emulator(version, cann_version=cann) as emu:
         got = _run(emulated_ascend_backend(), inputs, cu, s, d_out)
-        assert {c["softmax_layout"] for c in emu.calls} == {layout}
+        assert {c["softmax_layout"] for c in emu.calls} == {"TND"}
     assert _all_close(got, _run("cpu", inputs, cu, s, d_out))
+
+
+@pytest.mark.parametrize(("version", "cann"), [("2.6.0", "8.2.RC1"), ("2.8.0", "8.2.RC1"), ("2.7.0", "8.3.RC1")])
+def test_lse_route_without_the_token_order_layout_is_refused(monkeypatch, version, cann):
+    """The default layout is documented only as "NTD": polyrl does not guess it (an earlier release reordered
+    per-sequence blocks, a layout read from the kernel, never from the documentation)."""
+    monkeypatch.setenv(SINK_ENV, "lse")
+    inputs, cu, s, _ = _case([1, 6, 2], hq=4, hkv=2)
+    with install_emulator(version, cann_version=cann), pytest.raises(ValueError, match=r'softmax_layout="TND"'):
+        varlen_attention(*inputs, cu, sinks=s, backend=emulated_ascend_backend())
+    with install_emulator(version, cann_version=cann):  # without sinks no route is needed
+        varlen_attention(*[x.half() for x in inputs], cu, backend=emulated_ascend_backend())
 
 
 def test_sequence_ends_are_read_from_cu_seqlens_once_per_micro_batch(monkeypatch):
@@ -160,17 +172,33 @@ def test_fully_shard_is_refused_on_950dt(monkeypatch):
     AscendBackend().check_world_size(2)
 
 
-def test_expert_parallel_groups_of_a_size_hccl_refuses_are_refused_before_launch():
+def test_expert_parallel_layouts_hccl_takes_are_not_refused():
+    """HCCL refuses no world size (ProcessGroupHCCL.cpp@v7.3.0-pytorch2.8.0: _allgather_base / _reduce_scatter_base
+    check tensor sizes only): 6 NPUs, or world 12 with ep 2, are valid layouts."""
+    from polyrl.core.distributed.sharding import check_sharding
+
+    for world, ep in ((12, 2), (12, 4), (24, 8), (10, 2), (12, 3), (6, 1), (6, 2), (8, 2), (16, 16)):
+        check_sharding(AscendBackend(), world, ShardingConfig(expert_parallel=ep))
+
+
+def test_group_sizes_a_backend_refuses_are_refused_before_launch():
+    """The mechanism (ShardingPolicy.world_sizes_refused) with a planted backend whose library refuses 3, 5, 6, 7."""
+    import dataclasses
+
     from polyrl.backends.cpu import CpuBackend
     from polyrl.core.distributed.sharding import check_sharding
 
-    backend = AscendBackend()
+    class Refusing(AscendBackend):
+        def sharding_policy(self):
+            return dataclasses.replace(super().sharding_policy(), world_sizes_refused=(3, 5, 6, 7),
+                                       world_size_rule="the planted library refuses world sizes 3, 5, 6 and 7")
+
     for world, ep in ((12, 2), (12, 4), (24, 8), (10, 2), (12, 3)):  # world / ep or ep is 3, 5, 6 or 7
         with pytest.raises(BadInputError, match=f"sharding.expert_parallel={ep} on {world} processes.*refuses"):
-            check_sharding(backend, world, ShardingConfig(expert_parallel=ep))
+            check_sharding(Refusing(), world, ShardingConfig(expert_parallel=ep))
         check_sharding(CpuBackend(), world, ShardingConfig(expert_parallel=ep))  # gloo has no such rule
     for world, ep in ((8, 2), (16, 16), (256, 16), (16, 4)):
-        check_sharding(backend, world, ShardingConfig(expert_parallel=ep))
+        check_sharding(Refusing(), world, ShardingConfig(expert_parallel=ep))
 
 
 # --- FSDP2 feature detection -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Two emulated Ascend processes train both tiny recipes under HCCL's rules, as two cpu processes do.
 
 ``polyrl run --backend ascend --emulate --nproc 2``: every collective goes through the emulated HCCL process
-group (gloo with HCCL's dtype, reduce-op and world-size checks, polyrl.emulation.hccl), the attention and the MoE
+group (gloo with HCCL's dtype and reduce-op rules, polyrl.emulation.hccl), the attention and the MoE
 experts through the torch_npu emulator — on the CPU, not an NPU. The ascend backend trains with FSDP2 mixed
 precision (bfloat16 compute, float32 reductions: its sharding policy), the cpu backend in float32, so the first
 update is compared with the step-parity bars of bfloat16 (polyrl.core.tolerances ``step.*``)."""

@@ -1,7 +1,9 @@
 """HCCL's collective rules, and polyrl's collectives under them — on gloo, not on an NPU.
 
-HCCL (torch_npu's ProcessGroupHCCL, before Ascend 950) reduces no float64, no bool, takes no ReduceOp.AVG, and its
-all_gather_into_tensor / reduce_scatter_tensor refuse world sizes 3, 5, 6, 7. The emulated ascend backend
+HCCL (torch_npu's ProcessGroupHCCL, before Ascend 950) reduces no float64, casts bool / uint8 to int32 in
+all_reduce (and refuses them in reduce_scatter), runs ReduceOp.AVG as SUM then a division, refuses no world size,
+and exchanges bf16 in all-to-all from torch_npu 2.8.0.post2 only (polyrl.emulation.hccl cites each rule's source).
+The emulated ascend backend
 (``--emulate``) opens a process group with those rules; polyrl's own collectives (float64 loss sums, token counts,
 metrics) must still give the float64 numbers there: they travel through a gather, exact.
 """
@@ -23,10 +25,10 @@ WORKER = Path(__file__).with_name("hccl_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _torchrun(scenario: str, nproc: int, out: Path) -> list[dict]:
+def _torchrun(scenario: str, nproc: int, out: Path, version: str = "2.9.0") -> list[dict]:
     import os
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "POLYRL_NPU_EMULATOR_VERSION": version, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("POLYRL_ASCEND_ON_CPU", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(WORKER), scenario, str(out)]
@@ -36,7 +38,7 @@ def _torchrun(scenario: str, nproc: int, out: Path) -> list[dict]:
 
 
 # --- the rules, one process -------------------------------------------------------------------------------
-def test_hccl_refuses_float64_bool_and_avg_with_its_own_words() -> None:
+def test_hccl_refuses_float64_and_bitwise_ops_with_its_own_words() -> None:
     with pytest.raises(RuntimeError, match=r"^HCCL allreduce: Unsupported data type at::kDouble\n.*ERR02007 DIST "
                                            r"feature not supported"):
         hccl.check_dtype(torch.zeros(1, dtype=torch.float64), "allreduce")
@@ -48,55 +50,64 @@ def test_hccl_refuses_float64_bool_and_avg_with_its_own_words() -> None:
         hccl.check_dtype(torch.zeros(1, dtype=dtype), "allreduce")
     import torch.distributed as dist
 
-    with pytest.raises(RuntimeError, match=r"^Cannot use ReduceOp.AVG with HCCL"):
-        hccl.check_reduce_op(dist.ReduceOp.AVG)
-    hccl.check_reduce_op(dist.ReduceOp.SUM)
+    with pytest.raises(RuntimeError, match=r"^Cannot use ReduceOp.BAND with HCCL"):
+        hccl.check_reduce_op(dist.ReduceOp.BAND)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):  # AVG: SUM, then a division
+        hccl.check_reduce_op(op)
 
 
-def test_the_ascend_backend_declares_what_hccl_reduces() -> None:
+def test_all_to_all_types_follow_the_emulated_release() -> None:
+    from polyrl.emulation.npu import install_emulator
+
+    for version, bf16 in (("2.8.0", False), ("2.8.0.post2", True), ("2.9.0", True), ("2.7.1", False)):
+        with install_emulator(version):
+            assert (torch.bfloat16 in hccl.all_to_all_dtypes()) is bf16, version
+            if not bf16:
+                with pytest.raises(RuntimeError, match="Unsupported data type at::kBFloat16"):
+                    hccl.check_all_to_all_dtype(torch.zeros(1, dtype=torch.bfloat16), "alltoall_base")
+
+
+def test_the_ascend_backend_declares_what_hccl_reduces_and_exchanges() -> None:
+    from polyrl.backends.ascend import HCCL_ALL_TO_ALL_DTYPES, HCCL_ALL_TO_ALL_DTYPES_7_3, all_to_all_dtypes
+    from polyrl.emulation.npu import install_emulator
+
     ascend = get_registry().backends["ascend"]
     assert {getattr(torch, n) for n in ascend.collective_reduce_dtypes} == set(hccl.REDUCE_DTYPES)
-    from polyrl.backends.ascend import HCCL_ALL_TO_ALL_DTYPES
-
-    assert {getattr(torch, n) for n in HCCL_ALL_TO_ALL_DTYPES} == set(hccl.ALL_TO_ALL_DTYPES)
-    assert ascend.sharding_policy().world_sizes_refused == hccl.WORLD_SIZES_REFUSED
+    assert {getattr(torch, n) for n in HCCL_ALL_TO_ALL_DTYPES} == set(hccl.ALL_TO_ALL_DTYPES_7_2)
+    assert {getattr(torch, n) for n in HCCL_ALL_TO_ALL_DTYPES_7_3} == set(hccl.ALL_TO_ALL_DTYPES_7_3)
+    for version in ("2.8.0", "2.8.0.post2", "2.10.0"):
+        with install_emulator(version):
+            assert {getattr(torch, n) for n in all_to_all_dtypes()} == set(hccl.all_to_all_dtypes()), version
+    assert ascend.sharding_policy().world_sizes_refused == ()  # no source refuses a world size
     assert not get_registry().backends["cpu"].collective_reduce_dtypes  # gloo reduces every dtype
-
-
-def test_three_emulated_processes_are_refused_before_any_starts(tmp_path) -> None:
-    import os
-
-    # a subprocess: --emulate puts the emulator in sys.modules, which must not leak into other tests
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.pop("POLYRL_ASCEND_ON_CPU", None)
-    proc = subprocess.run([sys.executable, "-m", "polyrl", "run", "gpt_oss_dapo_tiny", "--backend", "ascend",
-                           "--emulate", "--nproc", "3", "--output", str(tmp_path / "run"), "data.batch_size=6"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(err) == 1, err
-    assert "world size 3" in err[0] and "HCCL's all_gather_into_tensor / reduce_scatter_tensor" in err[0]
-    assert "3, 5, 6 and 7" in err[0]
-    assert not (tmp_path / "run").exists()
 
 
 # --- several processes ------------------------------------------------------------------------------------
 @pytest.mark.distributed
-def test_emulated_ascend_group_refuses_what_hccl_refuses_and_polyrl_reduces_float64_exactly(tmp_path) -> None:
-    ranks = _torchrun("emulated", 2, tmp_path)
+@pytest.mark.parametrize(("version", "bf16"), [("2.8.0", False), ("2.9.0", True)])
+def test_emulated_ascend_group_follows_hccl_and_polyrl_reduces_float64_exactly(tmp_path, version, bf16) -> None:
+    ranks = _torchrun("emulated", 2, tmp_path, version)
     for seen in ranks:
         assert seen["backend"] == hccl.BACKEND_NAME
         assert seen["fp64"].startswith("HCCL allreduce: Unsupported data type at::kDouble")
-        assert seen["bool"].startswith("HCCL allreduce: Unsupported data type at::kByte/at::kBool")
-        assert seen["avg"].startswith("Cannot use ReduceOp.AVG with HCCL")
+        assert seen["bool"] == "accepted" and seen["bool_value"] == [True, False]  # int32 copy, copied back
+        assert seen["bool_reduce_scatter"].startswith("HCCL _reduce_scatter_base: Unsupported data type at::kByte")
+        assert seen["avg"] == "accepted" and seen["avg_value"] == [1.5, 1.5]
+        assert seen["band"].startswith("Cannot use ReduceOp.BAND with HCCL")
         for key, r in seen["reductions"].items():
             assert r["dtype"] == "torch.float64", key
             # two ranks: a + b is b + a, so the gather's sum is the float64 all-reduce's, bit for bit
             assert r["got"] == r["ref"], (key, r)
         assert seen["metrics"] == {"a": 1.5 + 2.5, "n": 10.0 + 20.0}
-        a2a = seen["all_to_all"]  # bf16 rows: refused by HCCL's all-to-all, delivered exactly by the backend's
-        for name in ("rows", "vector"):
-            assert a2a[f"{name}/raw"].startswith("HCCL alltoall_base: Unsupported data type at::kBFloat16"), a2a
+        a2a = seen["all_to_all"]  # bf16 rows: native from 2.8.0.post2, as bytes before; exact either way
+        for name in ("rows", "vector", "empty"):
+            if bf16:
+                assert a2a[f"{name}/raw"] == "accepted", a2a
+            else:
+                assert a2a[f"{name}/raw"].startswith("HCCL alltoall_base: Unsupported data type at::kBFloat16"), a2a
             assert a2a[f"{name}/exact"], name
+    assert ranks[0]["avg_reduce_scatter"] == [0.0, 1.5] and ranks[1]["avg_reduce_scatter"] == [3.0, 4.5]
+    assert ranks[0]["all_to_all"]["empty/rows"] == [0, 0] and ranks[1]["all_to_all"]["empty/rows"] == [3, 3]
     assert ranks[0]["all_to_all"]["counts"] == [0, 10] and ranks[1]["all_to_all"]["counts"] == [1, 11]
     assert ranks[0]["reductions"] == ranks[1]["reductions"]
     assert ranks[0]["fsdp_grad_norm"] == ranks[1]["fsdp_grad_norm"] > 0
@@ -112,8 +123,8 @@ def test_the_gather_reduction_equals_gloos_float64_all_reduce(tmp_path) -> None:
 
 
 @pytest.mark.distributed
-def test_the_emulated_group_refuses_gathers_into_one_tensor_on_three_ranks(tmp_path) -> None:
+def test_the_emulated_group_takes_gathers_into_one_tensor_on_three_ranks(tmp_path) -> None:
+    # an earlier emulator refused world sizes 3, 5, 6, 7 here; ProcessGroupHCCL.cpp has no such check
     for seen in _torchrun("world", 3, tmp_path):
-        assert seen["all_gather_into_tensor"].startswith("HCCL _allgather_base: world size 3 is not supported")
-        assert seen["reduce_scatter_tensor"].startswith("HCCL _reduce_scatter_base: world size 3 is not supported")
-        assert seen["all_gather"] == "accepted"  # the list form has no such rule
+        assert seen == {"all_gather_into_tensor": "accepted", "reduce_scatter_tensor": "accepted",
+                        "all_gather": "accepted"}

@@ -1,6 +1,7 @@
 """polyrl's calls bind to the REAL op signatures of three op-plugin branches, not only to the emulator's.
 
-The schema lines of ``npu_fusion_attention`` / ``npu_fusion_attention_grad`` are kept as test data
+The schema lines of ``npu_fusion_attention`` / ``npu_fusion_attention_grad`` (and of the MoE experts' ``npu_grouped_matmul`` /
+``npu_grouped_matmul_add_``) are kept as test data
 (data/op_plugin_signatures.txt, with their branch and commit). For each branch the ascend backend runs on an
 emulated release of that branch (both sink routes, with and without a window) while every call it makes is
 recorded; each recorded call must then bind to that branch's schema: positional arguments in order, keywords
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from frozen_sources import sections
 
 from polyrl.backends.ascend.attention import SINK_ENV
 from polyrl.core.attention import varlen_attention
@@ -26,29 +28,22 @@ DATA = Path(__file__).parent / "data" / "op_plugin_signatures.txt"
 BRANCH_RELEASES = {"7.2.0": ("2.8.0", "8.3.RC1"), "7.3.0": ("2.8.0.post2", "8.5.0"), "master": ("2.9.0", "8.5.1")}
 
 
+def _signature(args: str) -> inspect.Signature:
+    """A Python signature from a schema line's argument list ("Tensor x, *, int group_type=-1")."""
+    params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
+    for arg in (a.strip() for a in args.split(", ")):
+        if arg == "*":
+            kind = inspect.Parameter.KEYWORD_ONLY
+            continue
+        decl, _, default = arg.partition("=")
+        params.append(inspect.Parameter(decl.split()[-1], kind, default=default if default else inspect.Parameter.empty))
+    return inspect.Signature(params)
+
+
 def _schemas() -> dict[str, dict[str, inspect.Signature]]:
     """branch -> op name -> a Python signature built from the schema line."""
-    out: dict[str, dict[str, inspect.Signature]] = {}
-    branch = None
-    for line in DATA.read_text().splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        m = re.match(r"^\[(\S+)\] [0-9a-f]{40}$", line)
-        if m:
-            branch = m.group(1)
-            out[branch] = {}
-            continue
-        name, args = re.match(r"^(\w+)\((.*)\) ->", line).groups()
-        params, kind = [], inspect.Parameter.POSITIONAL_OR_KEYWORD
-        for arg in (a.strip() for a in args.split(", ")):
-            if arg == "*":
-                kind = inspect.Parameter.KEYWORD_ONLY
-                continue
-            decl, _, default = arg.partition("=")
-            pname = decl.split()[-1]
-            params.append(inspect.Parameter(pname, kind, default=default if default else inspect.Parameter.empty))
-        out[branch][name] = inspect.Signature(params)
-    return out
+    return {branch: {m.group(1): _signature(m.group(2)) for m in (re.match(r"^(\w+)\((.*)\) ->", line) for line in lines)}
+            for branch, lines in sections(DATA).items()}
 
 
 SCHEMAS = _schemas()
@@ -56,6 +51,7 @@ SCHEMAS = _schemas()
 
 def test_the_data_holds_three_branches_and_the_known_differences():
     assert set(SCHEMAS) == {"7.2.0", "7.3.0", "master"}
+    assert all({"npu_grouped_matmul", "npu_grouped_matmul_add_"} <= set(ops) for ops in SCHEMAS.values())
     assert "sink" not in SCHEMAS["7.2.0"]["npu_fusion_attention"].parameters
     assert "softmax_layout" in SCHEMAS["7.2.0"]["npu_fusion_attention_grad"].parameters
     assert "sink" in SCHEMAS["7.3.0"]["npu_fusion_attention_grad"].parameters
@@ -93,6 +89,29 @@ def test_polyrl_calls_bind_to_the_branch_signatures(monkeypatch, branch, mode):
     assert "npu_fusion_attention" in ops and ("npu_fusion_attention_grad" in ops) is (mode == "lse")
     for op, args, kwargs in calls:
         SCHEMAS[branch][op].bind(*args, **kwargs)  # TypeError if polyrl passes what the branch does not take
+
+
+@pytest.mark.parametrize("branch", ["7.2.0", "7.3.0", "master"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_experts_calls_bind_to_the_branch_signatures(branch, dtype):
+    """The MoE experts kernel's forward and backward (npu_grouped_matmul, npu_grouped_matmul_add_) against each
+    branch's schema lines."""
+    from polyrl.backends.ascend.experts import GroupedMatmul
+
+    version, cann = BRANCH_RELEASES[branch]
+    calls: list = []
+    with install_emulator(version, cann_version=cann) as emulator:
+        for op in ("npu_grouped_matmul", "npu_grouped_matmul_add_"):
+            inner = getattr(emulator.module, op)
+            setattr(emulator.module, op, lambda *a, _op=op, _inner=inner, **k: calls.append((_op, a, k)) or _inner(*a, **k))
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(6, 4, generator=gen).to(dtype).requires_grad_()
+        w = torch.randn(3, 4, 5, generator=gen).to(dtype).requires_grad_()
+        GroupedMatmul.apply(x, w, torch.tensor([2, 0, 4])).sum().backward()
+    assert {op for op, _, _ in calls} == {"npu_grouped_matmul"} | ({"npu_grouped_matmul_add_"} if dtype != torch.float32
+                                                                    else set())
+    for op, args, kwargs in calls:
+        SCHEMAS[branch][op].bind(*args, **kwargs)
 
 
 def test_binding_would_catch_a_keyword_the_branch_lacks():

@@ -1,6 +1,7 @@
 """The hardware self-check (polyrl.backends.ascend.selfcheck), run here on the emulator only: it passes where the
 documented behaviour holds, says "not run" for a route the release cannot take, and FAILS when an assumption
-breaks — here, a release whose softmax statistics are not in the documented per-sequence order."""
+breaks — here, a release whose softmax statistics do not follow softmax_layout="TND", and a grouped matmul that
+reads its groups from the other end."""
 
 from __future__ import annotations
 
@@ -19,36 +20,58 @@ def test_every_case_passes_on_the_documented_behaviour():
     assert len(experts) == 4 and all(r.status == selfcheck.PASS for r in experts), [r.line() for r in experts]
 
 
+def test_the_all_to_all_check_sends_rows_and_an_empty_rank(monkeypatch):
+    """On the emulated HCCL group: bf16 / fp32 / int64, five rows and none (the 0-row tensor an earlier byte route
+    could not reshape); a release whose all-to-all lacks bf16 (2.8.0) goes through the byte route."""
+    from polyrl.backends.ascend import ON_CPU_ENV
+    from polyrl.emulation import hccl
+
+    hccl.register()
+    monkeypatch.setenv(ON_CPU_ENV, "1")
+    for version in ("2.9.0", "2.8.0"):
+        with install_emulator(version):
+            rows = selfcheck.run_all_to_all_check(emulated_ascend_backend())
+        assert len(rows) == 6 and all(r.status == selfcheck.PASS for r in rows), [r.line() for r in rows]
+        assert any("empty rank" in r.line() and "bfloat16" in r.line() for r in rows)
+
+
+
 def test_the_experts_check_fails_when_the_grouped_matmul_misbehaves(monkeypatch):
-    """A release whose group_type=2 call (the weight gradient) read the groups from the other end: the self-check
-    names the experts rows, the forward alone would not show it."""
-    from polyrl.emulation import npu_moe
-
-    real = npu_moe.npu_grouped_matmul
-
-    def reversed_groups(x, weight, **kw):
-        if kw.get("group_type") == 2:
-            kw["group_list"] = kw["group_list"].flip(0)
-        return real(x, weight, **kw)
-
+    """A release whose npu_grouped_matmul_add_ (the bf16 weight gradient) read the groups from the other end: the
+    self-check names the bf16 experts rows (fp32's weight gradient takes no NPU op); the forward alone would not
+    show it."""
     with install_emulator() as emu:
-        monkeypatch.setattr(emu.module, "npu_grouped_matmul", reversed_groups)
+        real = emu.module.npu_grouped_matmul_add_
+
+        def reversed_groups(y, x, weight, group_list, **kw):
+            sizes = torch.diff(group_list, prepend=group_list.new_zeros(1)).flip(0)
+            return real(y, x, weight, sizes.cumsum(0), **kw)
+
+        monkeypatch.setattr(emu.module, "npu_grouped_matmul_add_", reversed_groups)
         rows = selfcheck.run_experts_check(emulated_ascend_backend())
-    assert all(r.status == selfcheck.FAIL for r in rows), [r.line() for r in rows]
+    assert {r.status for r in rows if "bfloat16" in r.line()} == {selfcheck.FAIL}, [r.line() for r in rows]
+    assert {r.status for r in rows if "float32" in r.line()} == {selfcheck.PASS}, [r.line() for r in rows]
 
 
 def test_a_release_without_sink_reports_native_not_run_and_a_wrong_layout_fails(monkeypatch):
-    def token_order(cum_q, n, n_kv, device):  # a release that kept the statistics in token order
-        t = cum_q[-1]
-        return torch.arange(t * n, device=device).view(t, n)
+    real_out, real_in = npu_emulator._stats_out, npu_emulator._stats_in
 
-    with install_emulator("2.8.0", cann_version="8.3.RC1"):
+    with install_emulator("2.8.0", cann_version="8.3.RC1"):  # TorchNPU 7.2.0: softmax_layout, no sink=
         rows = selfcheck.run_self_check(emulated_ascend_backend())
         assert {r.status for r in rows if r.route == "native"} == {selfcheck.NOT_RUN}
         assert {r.status for r in rows if r.route == "lse"} == {selfcheck.PASS}
-        monkeypatch.setattr(npu_emulator, "_stat_rows", token_order)
+        # a release that ignored softmax_layout="TND" (statistics in the default order)
+        monkeypatch.setattr(npu_emulator, "_stats_out", lambda x, cum_q, layout, n_kv: real_out(x, cum_q, "", n_kv))
+        monkeypatch.setattr(npu_emulator, "_stats_in", lambda x, cum_q, layout, n_kv: real_in(x, cum_q, "", n_kv))
         rows = selfcheck.run_self_check(emulated_ascend_backend())
     assert any(r.status == selfcheck.FAIL for r in rows if r.route == "lse"), [r.line() for r in rows]
+
+
+def test_a_release_without_the_token_order_layout_reports_lse_not_run():
+    with install_emulator("2.6.0", cann_version="8.2.RC1"):  # TorchNPU 7.1.0: neither sink= nor softmax_layout
+        rows = selfcheck.run_self_check(emulated_ascend_backend())
+    assert {r.status for r in rows} == {selfcheck.NOT_RUN}, [r.line() for r in rows]
+    assert all('softmax_layout="TND"' in r.detail for r in rows if r.route == "lse")
 
 
 # --- polyrl doctor --backend ascend --selfcheck ----------------------------------------------------------------
@@ -78,7 +101,8 @@ def test_doctor_runs_the_self_check_where_the_backend_is_available(capsys, monke
     rc, out, _ = _doctor(capsys, "--backend", "ascend", "--selfcheck", "--json")
     check = json.loads(out)["selfcheck"]
     assert check["status"] == "pass" and check["returncode"] == 0, check
-    assert sum("[   pass]" in line for line in check["output"]) == 16  # 12 attention cases, 4 experts cases
+    # 12 attention cases, 4 experts cases, 6 all-to-all cases
+    assert sum("[   pass]" in line for line in check["output"]) == 22
     assert rc == (0 if json.loads(out)["healthy"] else 1)
 
 

@@ -15,7 +15,9 @@ fails here:
   ``pre_tokens + 1`` keys per query (vllm_ascend/attention/attention_v1.py); at decode another op runs
   (``npu_fused_infer_attention_score``): ``decode_window="ignored"`` models a decode kernel that drops the band
   (a fused inference op that does not apply the band to a single query), to show the decode probe catches what the prefill probe
-  cannot.
+  cannot;
+- the fused attention ops (``npu_fusion_attention``, ``npu_fused_infer_attention_score``) take float16 and bfloat16
+  only: an engine in the trainer's float32 fails at its first forward.
 
 The model itself is transformers' eager implementation loaded from the engine's export, its window set per call
 from the rules above; sleeping, generating and loading follow vLLM's API (``generate``, ``prompt_logprobs``,
@@ -41,10 +43,16 @@ class Release:
     reload_weights: bool
     gpt_oss_sinks: bool
     decode_window: str = "pre_tokens"  # "pre_tokens": pre_tokens + 1 keys as at prefill; "ignored": all keys
+    # Decode runs on weights the post-load processing derives once from the loaded ones (vllm-ascend's MLA builds
+    # its absorbed W_UV / W_UK_T from kv_b_proj in process_weights_after_loading, vllm_ascend/attention/mla_v1.py):
+    # modelled for any model as a copy of its weights taken by the processing; prefill reads the loaded weights.
+    decode_from_processed: bool = False
 
 
 RELEASES = {
     "0.13.0": Release("0.13.0", reload_weights=False, gpt_oss_sinks=False),
+    "0.14.0rc1": Release("0.14.0rc1", reload_weights=False, gpt_oss_sinks=False),
+    "0.15.0rc1": Release("0.15.0rc1", reload_weights=False, gpt_oss_sinks=True),
     "0.18.0": Release("0.18.0", reload_weights=False, gpt_oss_sinks=True),
     "0.23.0": Release("0.23.0", reload_weights=False, gpt_oss_sinks=True),
     "0.24.0rc1": Release("0.24.0rc1", reload_weights=True, gpt_oss_sinks=True),
@@ -81,6 +89,12 @@ class _Model:
 
     def __init__(self, hf: Any, release: Release, calls: list[str]):
         self.hf, self.release, self.calls = hf, release, calls
+        self.decode_state: dict[str, torch.Tensor] | None = None
+        self.derive_decode_weights()  # at build, as vLLM processes the weights once after loading
+
+    def derive_decode_weights(self) -> None:
+        if self.release.decode_from_processed:
+            self.decode_state = {k: v.detach().clone() for k, v in self.hf.state_dict().items()}
 
     def load_weights(self, weights) -> set[str]:
         state = self.hf.state_dict()
@@ -96,6 +110,7 @@ class _Model:
 class _Worker:
     def __init__(self, llm: LLM):
         self._llm = llm
+        self.model_config = types.SimpleNamespace(dtype=llm.kwargs["dtype"])  # what post-processing reads
 
     def get_model(self) -> _Model:
         self._llm.check_awake("load weights")
@@ -113,15 +128,21 @@ class LLM:
     release: Release = RELEASES["0.18.0"]  # the module built by ``install`` sets its release
 
     def __init__(self, model: str, *, dtype: str = "float32", enable_sleep_mode: bool = False,
-                 hf_overrides: dict | None = None, max_model_len: int | None = None, **_: Any):
-        from transformers import AutoModelForCausalLM
+                 hf_overrides: dict | None = None, max_model_len: int | None = None, load_format: str = "auto",
+                 **_: Any):
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         if enable_sleep_mode:
             conf = os.environ.get("PYTORCH_NPU_ALLOC_CONF", "")
             assert "expandable_segments:True" not in conf, CAMEM_ASSERT
         self.calls: list[str] = []
-        self.kwargs = {"dtype": dtype, "enable_sleep_mode": enable_sleep_mode, "hf_overrides": hf_overrides, **_}
-        hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=getattr(torch, dtype))
+        self.kwargs = {"dtype": dtype, "enable_sleep_mode": enable_sleep_mode, "hf_overrides": hf_overrides,
+                       "load_format": load_format, **_}
+        if load_format == "dummy":  # vLLM's dummy loader: the architecture from config.json, random weights
+            config = AutoConfig.from_pretrained(model)
+            hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=getattr(torch, dtype))
+        else:
+            hf = AutoModelForCausalLM.from_pretrained(model, attn_implementation="eager", dtype=getattr(torch, dtype))
         hf.eval()
         self.model = _Model(hf, self.release, self.calls)
         window = (hf_overrides or {}).get("sliding_window", getattr(hf.config, "sliding_window", None))
@@ -162,8 +183,19 @@ class LLM:
 
     # --- the model at prefill and at decode ----------------------------------------------------------------
     @torch.no_grad()
-    def _logits(self, ids: list[int], keys: int | None) -> torch.Tensor:
+    def _logits(self, ids: list[int], keys: int | None, decode: bool = False) -> torch.Tensor:
+        if decode and self.model.decode_state is not None:  # the decode weights the processing derived
+            live = {k: v.detach().clone() for k, v in self.model.hf.state_dict().items()}
+            self.model.hf.load_state_dict(self.model.decode_state)
+            try:
+                return self._logits(ids, keys)
+            finally:
+                self.model.hf.load_state_dict(live)
         hf = self.model.hf
+        dtype = next(hf.parameters()).dtype
+        if dtype not in (torch.float16, torch.bfloat16):  # the fused attention ops' dtypes, every tag
+            raise RuntimeError(f"npu_fused_infer_attention_score: query dtype {dtype} is not supported "
+                               "(float16, bfloat16)")
         saved_window = getattr(hf.config, "sliding_window", None)
         saved_sinks = {}
         if keys is not None:
@@ -198,14 +230,37 @@ class LLM:
             if tok in p.stop_token_ids:
                 reason = "stop"
                 break
-            last = self._logits(prompt + ids, self.decode_keys)[-1]  # one decode step
+            last = self._logits(prompt + ids, self.decode_keys, decode=True)[-1]  # one decode step
         return RequestOutput([CompletionOutput(ids, logprobs, reason)], prompt_logprobs)
 
 
-def module(release: Release) -> types.ModuleType:
-    """A ``vllm`` module standing for vllm-ascend ``release`` (put it in ``sys.modules["vllm"]``)."""
+def _process_weights_after_loading(model: _Model, model_config: Any, target_device: Any) -> None:
+    """vLLM's post-load processing (vllm/model_executor/model_loader/utils.py), as the engine calls it after a
+    sync through the model's ``load_weights``: recorded, and the decode weights derived (``decode_from_processed``)."""
+    model.calls.append("process_weights_after_loading")
+    model.derive_decode_weights()
+
+
+def modules(release: Release) -> dict[str, types.ModuleType]:
+    """``sys.modules`` entries standing for vllm-ascend ``release``: ``vllm`` and the one submodule the engine's
+    worker functions import (``vllm.model_executor.model_loader.utils``; no ``reload`` package: the release has
+    no recorded checkpoint format, so the engine loads through the model's ``load_weights``)."""
     mod = types.ModuleType("vllm", f"vllm-ascend {release.version} stand-in (tests/ascend): not vLLM, not an NPU")
+    mod.__path__ = []  # a package: its submodules come from sys.modules below
     mod.LLM = type("LLM", (LLM,), {"release": release})
     mod.SamplingParams = SamplingParams
     mod.__version__ = release.version
-    return mod
+    out = {"vllm": mod}
+    for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+        sub = types.ModuleType(name)
+        sub.__path__ = []
+        out[name] = sub
+    utils = types.ModuleType("vllm.model_executor.model_loader.utils")
+    utils.process_weights_after_loading = _process_weights_after_loading
+    out[utils.__name__] = utils
+    return out
+
+
+def module(release: Release) -> types.ModuleType:
+    """The ``vllm`` module standing for vllm-ascend ``release`` (see :func:`modules` for all of them)."""
+    return modules(release)["vllm"]

@@ -22,7 +22,7 @@ def main() -> None:
     from polyrl.core.distributed.expert_parallel import ExpertParallelExperts
     from polyrl.core.distributed.process import end_process
     from polyrl.core.plugins import list_backends
-    from polyrl.core.trainer import Trainer
+    from polyrl.core.trainer import Trainer, flatten
     from polyrl.parity.train import update_differences
 
     argv = sys.argv[1:]
@@ -51,7 +51,7 @@ def main() -> None:
         exp = ref.collect()
         before_ref = {k: snapshot(m) for k, m in models(ref).items()}
         inputs = ref.prepare_update(exp)
-        m_ref = dict(ref.update(inputs).values)
+        m_ref = flatten(ref.update(inputs))
         after_ref = {k: snapshot(m) for k, m in models(ref).items()}
         rows = {"1": {"metrics": m_ref}}
         for ep in eps:
@@ -61,7 +61,7 @@ def main() -> None:
             same_init = all(torch.equal(before[k][n], before_ref[k][n]) for k in before for n in before[k])
             own = t.collect()
             same = sum(a == b for a, b in zip(own.batch.responses, exp.batch.responses))
-            m = dict(t.update(inputs).values)
+            m = flatten(t.update(inputs))
             after = {k: snapshot(mod) for k, mod in ms.items()}
             experts = [mod for mod in t.models.actor.modules() if isinstance(mod, ExpertParallelExperts)]
             rows[str(ep)] = {

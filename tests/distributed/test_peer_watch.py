@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import os, signal, subprocess, sys, time
     from polyrl.core.distributed import launch as L
@@ -24,6 +26,17 @@ SCRIPT = textwrap.dedent("""
             pass
         assert L.stop_signal() == signal.SIGTERM
     time.sleep(0.3)  # the watch is polling
+    if sys.argv[1] == "agent":  # torchrun's agent SIGTERMs the survivors of a failed worker a moment after
+        from polyrl.core.distributed import process as P
+        try:
+            peer.kill()
+            time.sleep(float(sys.argv[2]))
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:  # what `polyrl run` does with a stop
+            P.exit_if_a_peer_ended_first()
+            print("stopped", flush=True)
+            sys.exit(128 + signal.SIGTERM)
     peer.kill()
     peer.wait()
     time.sleep(1.5 if sys.argv[1] != "stuck" else 20)  # > the watch's poll interval and grace; "stuck": a
@@ -34,8 +47,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=60)
+def _run(mode: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT, mode, *args], capture_output=True, text=True, timeout=60)
 
 
 def test_a_peer_that_ends_mid_run_ends_this_rank_with_one_line() -> None:
@@ -45,6 +58,17 @@ def test_a_peer_that_ends_mid_run_ends_this_rank_with_one_line() -> None:
     assert len(lines) == 1 and lines[0].startswith("polyrl run: [rank 0] rank 1 (pid "), res.stderr
     assert lines[0].endswith("ended in the middle of the run; this rank stops too"), res.stderr
     assert "still running" not in res.stdout
+
+
+@pytest.mark.parametrize("delay_s", ["0.005", "0.02", "0.1"])
+def test_a_peer_that_fails_is_the_cause_though_the_agent_sigterms_this_rank_a_moment_after(delay_s: str) -> None:
+    # The agent notices a failed worker within its monitor interval (0.1 s) and SIGTERMs the others: which came
+    # first, the peer's end or the signal, decides the line (a fixed grace after the peer's end lost this race).
+    res = _run("agent", delay_s)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith("ended in the middle of the run; this rank stops too"), res.stderr
+    assert "stopped" not in res.stdout
 
 
 def test_a_rank_being_stopped_by_a_signal_does_not_report_its_peers_end_as_the_failure() -> None:

@@ -5,6 +5,7 @@ same command, resumed across process counts, and exported.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -31,8 +32,9 @@ COMPARED = ("reward/mean", "response/length_mean", "loss/policy", "loss/total", 
             "advantages/abs_mean")
 
 
-def run_cmd(out: Path, total: int = TOTAL, nproc: int = 1, extra: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "polyrl", "run", "gpt_oss_dapo_tiny.yaml", "--output", str(out), "--no-progress",
+def run_cmd(out: Path, total: int = TOTAL, nproc: int = 1, extra: tuple[str, ...] = (),
+            recipe: str = "gpt_oss_dapo_tiny") -> list[str]:
+    return [sys.executable, "-m", "polyrl", "run", f"{recipe}.yaml", "--output", str(out), "--no-progress",
             "--nproc", str(nproc), f"trainer.total_steps={total}", *SMALL, *extra]  # fmt: skip
 
 
@@ -138,6 +140,17 @@ def test_ppo_with_critic_and_reference_on_two_processes_matches_one(tmp_path: Pa
         for key in ("reward/mean", "actor/grad_norm", "critic/grad_norm", "loss/value"):
             assert abs(x[key] - y[key]) <= tol * abs(y[key]), (x["step"], key, x[key], y[key])
     assert len(two) == len(one) == 2
+
+
+@pytest.mark.parametrize("recipe", ["gpt_oss_dapo_tiny", "deepseek_ppo_tiny"])
+def test_the_tiny_recipes_train_in_bfloat16_on_two_processes(recipe: str, tmp_path: Path) -> None:
+    """Sharded in bf16 (the full recipes' dtype): FSDP2 needs one dtype per model, the critic's value head
+    included; the final checkpoint checks every rank's shards finite, empty ones included."""
+    run_to_end(run_cmd(tmp_path, total=2, nproc=2, extra=("model.dtype=bfloat16",), recipe=recipe))
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(v) for r in rows for v in r.values()), rows
+    assert (tmp_path / "checkpoints" / "step_00000002" / "COMPLETE").exists()
 
 
 def test_dynamic_sampling_on_two_processes_matches_one(tmp_path: Path) -> None:

@@ -52,11 +52,23 @@ def test_no_process_group_means_no_sharding() -> None:
     assert not any(type(x).__name__.startswith("FSDP") for x in m.modules())
 
 
+class _RefusingWorldSizes(AscendBackend):
+    """A collective library that refuses world sizes 3, 5, 6, 7 (planted: HCCL itself refuses none, its
+    ProcessGroupHCCL.cpp has no such check)."""
+
+    def sharding_policy(self):
+        import dataclasses
+
+        return dataclasses.replace(super().sharding_policy(), world_sizes_refused=(3, 5, 6, 7),
+                                   world_size_rule="the planted library refuses world sizes 3, 5, 6 and 7")
+
+
 def test_backend_quirks_refused_with_a_message() -> None:
     with pytest.raises(BadInputError, match="cpu_offload"):
         check_sharding(CpuBackend(), 2, ShardingConfig(cpu_offload=True))
     with pytest.raises(BadInputError, match="world size 3"):
-        check_sharding(AscendBackend(), 3, ShardingConfig())
+        check_sharding(_RefusingWorldSizes(), 3, ShardingConfig())
+    check_sharding(AscendBackend(), 3, ShardingConfig())  # HCCL refuses no world size
     check_sharding(AscendBackend(), 4, ShardingConfig(cpu_offload=True))
     check_sharding(CudaBackend(), 3, ShardingConfig(cpu_offload=True))
 
@@ -67,7 +79,7 @@ def test_placement_is_refused_in_one_place() -> None:
     with pytest.raises(BadInputError, match=r"data.batch_size \(6\) must be a multiple of the world size \(4 "):
         check_placement(cfg, CpuBackend(), 4)
     with pytest.raises(BadInputError, match="world size 3"):  # the backend's refusal, through the same call
-        check_placement(cfg, AscendBackend(), 3)
+        check_placement(cfg, _RefusingWorldSizes(), 3)
     cfg.sharding.cpu_offload = True
     with pytest.raises(BadInputError, match="cpu_offload"):
         check_placement(cfg, CpuBackend(), 2)

@@ -13,7 +13,7 @@ from planted_backends import WrongScaleBackend
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.attention.hf import bind_backend, bound_backend
 from polyrl.core.models import build_model
-from polyrl.core.plugins import backend as backend_module
+from polyrl.core.plugins import kernels as kernels_module
 from polyrl.core.plugins.selection import get_active_backend, reset_active_backend, set_active_backend
 
 VOCAB = 17
@@ -97,13 +97,13 @@ def test_a_copy_shares_the_backend_and_rebinding_moves_the_model():
 
 def test_a_kernel_is_resolved_once_per_backend(monkeypatch):
     resolved: list[str] = []
-    real = backend_module.resolve_kernel
+    real = kernels_module.resolve_kernel
 
     def counting_resolve(path):
         resolved.append(path)
         return real(path)
 
-    monkeypatch.setattr(backend_module, "resolve_kernel", counting_resolve)
+    monkeypatch.setattr(kernels_module, "resolve_kernel", counting_resolve)
     backend = CpuBackend()
     model = build_model("gpt_oss_tiny", vocab_size=VOCAB, seed=0, backend=backend).eval()
     assert resolved == []  # nothing imported at build: vendor modules load when a kernel first runs

@@ -84,8 +84,9 @@ def test_npus_name_what_blocks_and_by_how_much():
 
 
 def test_the_search_skips_expert_groups_the_collective_library_refuses(monkeypatch):
-    """On Ascend, 3 nodes of 8 NPUs (world 24) with ep=4 or 8 would shard the experts over FSDP2 groups of 6 or 3,
-    which HCCL refuses: the search never plans them, and plans the other eps of that world."""
+    """A collective library that refused world sizes 3, 5, 6, 7 (planted on the ascend backend: HCCL itself refuses
+    none) would refuse ep=4 or 8 on 3 nodes of 8 (world 24: FSDP2 groups of 6 or 3): the search never plans them,
+    and plans the other eps of that world."""
     from polyrl.core.plan import placement
 
     asked = []
@@ -97,7 +98,14 @@ def test_the_search_skips_expert_groups_the_collective_library_refuses(monkeypat
 
     monkeypatch.setattr(placement, "plan_memory", recording)
     cfg = load_config("deepseek_ppo", ["data.batch_size=24"])
-    find_placement(cfg, plan_backend("ascend"), nproc=8, max_nodes=3, device_memory_gib=1)  # nothing fits
+    find_placement(cfg, plan_backend("ascend"), nproc=8, max_nodes=3, device_memory_gib=1)  # HCCL: no such rule
+    assert {ep for world, ep in asked if world == 24} == {1, 2, 4, 8}
+    asked.clear()
+    refusing = plan_backend("ascend")
+    policy = dataclasses.replace(refusing.sharding_policy(), world_sizes_refused=(3, 5, 6, 7),
+                                 world_size_rule="the planted library refuses world sizes 3, 5, 6 and 7")
+    monkeypatch.setattr(refusing, "sharding_policy", lambda: policy)
+    find_placement(cfg, refusing, nproc=8, max_nodes=3, device_memory_gib=1)  # nothing fits
     at_24 = {ep for world, ep in asked if world == 24}
     assert at_24 == {1, 2}  # ep 4 and 8 (of 1, 2, 4, 8 dividing 24 and 256 experts) leave FSDP2 groups of 6 and 3
     asked.clear()

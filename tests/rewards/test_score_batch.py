@@ -197,3 +197,33 @@ def test_a_worker_that_dies_is_one_failure_named_at_once(monkeypatch):
         assert scores == [1.0] and stats == ScoreStats()
     finally:
         pool.close()
+
+
+def test_a_worker_that_outlives_the_terminating_sigterm_is_killed(monkeypatch):
+    """Terminating, the pool SIGTERMs its workers and joins them; a worker that the SIGTERM does not end (one
+    forked as a replacement that got it before its initializer reset the trainer's inherited stop handler: seen
+    under load, the run hung in Pool.terminate's join) is SIGKILLed, so dropping the pool returns."""
+    import signal
+    import threading
+
+    import polyrl.core.rewards.pool as pool_mod
+
+    original = pool_mod._init_worker
+
+    def deaf_to_sigterm(started=None):
+        original(started)
+        signal.signal(signal.SIGTERM, lambda *_: None)  # as the inherited stop handler: a flag, no exit
+
+    monkeypatch.setattr(pool_mod, "_init_worker", deaf_to_sigterm)
+    monkeypatch.setattr(pool_mod, "REAP_AFTER_S", 0.5)
+    pool = BoundedPool(processes=1)
+    out: list = []
+    # stuck past the batch deadline (0.2 s x 2 + 2 s): the pool is dropped, its worker sleeping 60 s
+    calling = threading.Thread(target=lambda: out.append(pool.map(remote_ignoring_signals, [("a", "a")], 0.2)),
+                               daemon=True)
+    start = time.monotonic()
+    calling.start()
+    calling.join(30.0)
+    assert not calling.is_alive(), "the pool's terminate waited on a worker that SIGTERM does not end"
+    assert time.monotonic() - start < 10.0
+    assert out == [[("timeout", "worker did not answer before the batch deadline")]] and pool.restarts == 1

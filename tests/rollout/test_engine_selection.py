@@ -9,7 +9,7 @@ import torch
 from polyrl.backends import vllm_engine
 from polyrl.core.errors import BadInputError
 from polyrl.core.plugins import Backend, get_registry
-from polyrl.core.rollout import SamplingParams, resolve_engine
+from polyrl.core.rollout import SamplingParams, choose_engine, resolve_engine
 
 
 class _Fake(Backend):
@@ -44,14 +44,62 @@ def test_an_explicit_engine_must_be_registered_listed_and_ready() -> None:
     assert resolve_engine("vllm", HfOnly({"vllm": "never asked"})) == "vllm"  # named, not listed: the user's choice
 
 
+class _Served(_Fake):
+    """A backend whose vllm engine refuses one model type (the factory's ``refusal``, as the vllm engine's)."""
+
+
+@pytest.fixture
+def refusing_vllm(monkeypatch):
+    """The registered vllm factory refuses DeepSeek models (what vLLM's attention selection says for MLA in fp32
+    on sm90, or a backend's ``refused_models``)."""
+    registry = get_registry()
+    factory = registry.rollout_engines["vllm"]
+
+    def refusing(*args, **kwargs):
+        return factory(*args, **kwargs)
+
+    refusing.refusal = lambda config, backend: ("vLLM has no MLA backend for head size 48 in float32 here"
+                                                if getattr(config, "model_type", "") == "deepseek_v3" else "")
+    monkeypatch.setitem(registry.rollout_engines, "vllm", refusing)
+
+
+def test_auto_never_picks_an_engine_that_refuses_the_model_and_says_why(refusing_vllm) -> None:
+    import types
+
+    deepseek, gpt_oss = types.SimpleNamespace(model_type="deepseek_v3"), types.SimpleNamespace(model_type="gpt_oss")
+    name, why = choose_engine("auto", _Served({}), deepseek)
+    assert name == "hf" and "vllm: vLLM has no MLA backend for head size 48" in why  # not served: the next one
+    name, why = choose_engine("auto", _Served({}), gpt_oss)
+    assert name == "vllm" and why.startswith("rollout engine vllm (auto: the first of vllm, hf that serves gpt_oss")
+    with pytest.raises(BadInputError, match="engine 'vllm' cannot run on backend 'fake': vLLM has no MLA backend"):
+        choose_engine("vllm", _Served({}), deepseek)  # explicit: refused before anything is built
+
+
+def test_the_vllm_refusal_asks_the_backends_list_then_vllms_attention_selection(monkeypatch) -> None:
+    import types
+
+    backend = _Fake({})
+    monkeypatch.setattr(backend, "rollout_engine_options", lambda engine: {"refused_models": {"gpt_oss": "no sinks"}},
+                        raising=False)
+    gpt_oss = types.SimpleNamespace(model_type="gpt_oss", head_dim=64, sliding_window=128, dtype="float32")
+    assert vllm_engine.refusal(gpt_oss, backend) == "no sinks"
+    asked = []
+    monkeypatch.setattr(vllm_engine, "attention_problem", lambda config, dtype, env=None: asked.append(dtype) or "")
+    mla = types.SimpleNamespace(model_type="deepseek_v3", kv_lora_rank=32, qk_rope_head_dim=16, dtype="float32")
+    monkeypatch.setattr(backend, "rollout_engine_options", lambda engine: {"model_dtypes": {"deepseek_v3": "bfloat16"}})
+    assert vllm_engine.refusal(mla, backend) == "" and asked == ["bfloat16"]  # in the engine's dtype, not the trainer's
+
+
 def test_buckets_hold_whole_decoder_layers_within_the_budget() -> None:
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.{p}" for i in range(3)
                                              for p in ("self_attn.q_proj.weight", "mlp.up_proj.weight")]
     names += ["model.norm.weight", "lm_head.weight"]
     items = [(n, torch.zeros(100)) for n in names]  # 400 bytes each
     out = list(vllm_engine.buckets(iter(items), 900))
-    assert [n for b in out for n, _ in b] == names  # everything, in order
-    layers = [{vllm_engine._group(n) for n, _ in b if ".layers." in n} for b in out]
+    outside = [n for n in names if ".layers." not in n]
+    assert [n for b in out for n, _ in b] == [n for n in names if ".layers." in n] + outside  # all; the rest last
+    assert [n for n, _ in out[-1]] == outside  # embedding, norm, lm_head together: one refit of those modules
+    layers = [{vllm_engine.W.layer_index(n) for n, _ in b if ".layers." in n} for b in out]
     assert all(not (a & b) for i, a in enumerate(layers) for b in layers[i + 1 :])
     assert all(sum(t.numel() * 4 for _, t in b) <= 1200 for b in out)  # budget, plus at most one layer's overflow
     assert len(out) >= 3
@@ -64,6 +112,18 @@ def test_logprobs_mode_follows_polyrls_convention() -> None:
         vllm_engine.logprobs_mode(SamplingParams(temperature=0.7, top_k=5))
 
 
+def test_a_build_that_returns_raw_logprobs_only_is_refused_at_another_temperature() -> None:
+    """vllm-ascend's sampler ignores ``logprobs_mode``: its log-probs are before the temperature. An engine for
+    T != 1 on such a build is refused when it is built (before vLLM is touched), in one line."""
+    from polyrl.core.models import build_model
+
+    settings = vllm_engine.VllmSettings(raw_logprobs_only=True)
+    with pytest.raises(BadInputError, match=r"rollout\.temperature=0\.7: .*before the temperature") as info:
+        vllm_engine.VllmEngine(build_model("gpt_oss_tiny", vocab_size=64, seed=0), pad_token_id=0, settings=settings,
+                               sampling=SamplingParams(temperature=0.7))
+    assert "\n" not in str(info.value)
+
+
 def test_settings_refuse_unknown_fields_and_backends_give_theirs() -> None:
     with pytest.raises(TypeError, match="unknown vLLM engine settings"):
         vllm_engine.VllmSettings.from_options({"sleep": 1})
@@ -73,7 +133,21 @@ def test_settings_refuse_unknown_fields_and_backends_give_theirs() -> None:
     ascend = vllm_engine.VllmSettings.from_options(backends["ascend"].rollout_engine_options("vllm"))
     assert ascend.sleep_level == 1 and ascend.env["VLLM_ASCEND_ENABLE_NZ"] == "0"
     assert ascend.gpu_memory_utilization == pytest.approx(0.6)
-    assert "gpt_oss" in vllm_engine.VllmSettings.from_options(backends["cpu"].rollout_engine_options("vllm")).stale_in_place
+    assert ascend.raw_logprobs_only  # vllm-ascend's sampler ignores logprobs_mode
+    with pytest.warns(DeprecationWarning, match="retired"):  # 0.2.0's rebuild settings: accepted, ignored
+        vllm_engine.VllmSettings.from_options({"stale_in_place": ("gpt_oss",), "in_place_sync": True})
+
+
+def test_the_kv_cache_is_sized_to_the_rollout() -> None:
+    import types
+
+    gpt_oss = types.SimpleNamespace(num_hidden_layers=24, num_key_value_heads=8, head_dim=64, num_attention_heads=64,
+                                    hidden_size=2880)
+    per_token = 24 * 2 * 8 * 64 * 2  # layers x (k, v) x heads x head_dim x bf16
+    got = vllm_engine.kv_cache_bytes(gpt_oss, 256, 1000, "bfloat16")
+    assert got == int(256 * 1008 * per_token * 1.25) + (64 << 20)  # 1000 tokens in blocks of 16
+    mla = types.SimpleNamespace(num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert vllm_engine.kv_cache_bytes(mla, 1, 16, "bfloat16") == int(16 * 61 * 576 * 2 * 1.25) + (64 << 20)
 
 
 def test_polyrl_backends_lists_each_backends_engines(capsys) -> None:
@@ -98,7 +172,7 @@ def test_sleep_before_training_and_wake_before_the_sync() -> None:
         def wake_up(self):
             calls.append("wake")
 
-        def collective_rpc(self, method, kwargs):
+        def collective_rpc(self, method, args=(), kwargs=None):
             calls.append(f"{method}:{len(list(kwargs['weights_iterator']))}")
 
         def reset_prefix_cache(self):
@@ -106,8 +180,8 @@ def test_sleep_before_training_and_wake_before_the_sync() -> None:
 
     engine = object.__new__(vllm_engine.VllmEngine)
     engine.settings = vllm_engine.VllmSettings(sleep_level=1)
-    engine.model_type, engine._asleep, engine._llm = "llama", False, Recorder()
-    engine.weight_loader, engine.in_place_failure = "reload_weights", ""  # the build's loader, known
+    engine.model_type, engine._asleep, engine._llm, engine.syncs = "llama", False, Recorder(), 0
+    engine.weight_loader = "reload_weights"  # the build's loader, known
     model = torch.nn.Linear(2, 2)
     engine.sleep()
     engine.sleep()  # idempotent

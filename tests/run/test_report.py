@@ -21,7 +21,9 @@ def make_run(tmp_path, *, ppo=True, steps=30, config=True, partial_last_line=Fal
     for s in range(1, steps + 1):
         record = {"step": s, "reward/mean": 0.1 + 0.8 * s / steps, "loss/policy": 1.0 / s,
                   "actor/pg_clipfrac": 0.01, "actor/pg_clipfrac_lower": 0.001, "actor/kl": 0.001 * s,
-                  "response/length_mean": 4.0, "time/step_s": 0.5, "dapo/groups_filtered": s % 3}
+                  "response/length_mean": 4.0, "time/step_s": 0.5, "dapo/groups_filtered": s % 3,
+                  "mismatch/k1": 1e-3 / s, "mismatch/k3": 5e-4 / s, "mismatch/is_mean": 1.0, "mismatch/is_max": 1.5,
+                  "mismatch/seq_is_mean": 1.0, "mismatch/is_clipped_frac": 0.01, "mismatch/masked_frac": 0.0}
         if ppo:
             record["loss/value"] = 2.0 / s
         lines.append(json.dumps(record))
@@ -46,7 +48,8 @@ def test_report_writes_png_and_summary(tmp_path):
     assert f"first 10 steps {first10:.4g}" in text and f"last 10 steps {last10:.4g}" in text
     assert "15 s in steps" in text
     assert "loss/value 0.06667" in text  # final losses
-    for panel in ("reward", "losses", "value loss", "KL", "clip fractions", "response length", "DAPO sampling"):
+    for panel in ("reward", "losses", "value loss", "KL", "clip fractions", "response length", "DAPO sampling",
+                  "mismatch KL (engine vs trainer)", "rollout IS weights", "rollout correction: clipped / masked"):
         assert panel in text.split("Panels drawn:")[1]
     assert "| `model.arch` | gpt_oss |" in text and "| `algorithm.clip_high` | 0.28 |" in text
 

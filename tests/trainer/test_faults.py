@@ -21,8 +21,8 @@ import torch
 from fault_injection import MIB, FailsAt, no_space, read_only, small_fs
 
 from polyrl.core.rollout.hf import HFEngine
-from polyrl.core.run import checkpoint as C
 from polyrl.core.run import integrity as I
+from polyrl.core.run.checkpoint import save as checkpoint_save
 from polyrl.core.run.directory import RunDir
 from polyrl.core.tasks.synthetic import SyntheticTask
 from polyrl.core.trainer import update as U
@@ -75,8 +75,8 @@ def test_a_checkpoint_that_cannot_fit_is_refused_before_anything_is_written(
         out = tmp_path / "fs" / "run"
         with monkeypatch.context() as m:
             if fs is None:  # the file system reports half a MiB free once the first checkpoint is there
-                real = C.free_bytes
-                m.setattr(C, "free_bytes", lambda p: MIB // 2 if (Path(p) / "step_00000001").exists() else real(p))
+                real = checkpoint_save.free_bytes
+                m.setattr(checkpoint_save, "free_bytes", lambda p: MIB // 2 if (Path(p) / "step_00000001").exists() else real(p))
             rc, _, err = run_cli(_args(out))
         assert rc == 1
         _fault(err, rf"not enough space on {out}/checkpoints for checkpoint step 2 \(needs ~[12]\.\d MiB, "
@@ -95,7 +95,7 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written(
     with small_fs(tmp_path / "fs", 8) as fs:
         out = tmp_path / "fs" / "run"
         with monkeypatch.context() as m:
-            real = C._write_and_publish
+            real = checkpoint_save._write_and_publish
 
             def filling(root, tmp, final, step, *args):
                 if step == 2 and fs is not None:
@@ -104,7 +104,7 @@ def test_a_disk_that_fills_while_a_checkpoint_is_written(
                     m.setattr(I._HashingStream, "write", lambda self, data: (_ for _ in ()).throw(no_space()))
                 return real(root, tmp, final, step, *args)
 
-            m.setattr(C, "_write_and_publish", filling)
+            m.setattr(checkpoint_save, "_write_and_publish", filling)
             rc, _, err = run_cli(_args(out))
         assert rc == 1
         _fault(err, rf"no space left on {out}/checkpoints while writing checkpoint step 2 \(needs ~[12]\.\d MiB, "
@@ -152,7 +152,7 @@ def test_a_run_directory_that_turns_read_only(
             how.append(stack.enter_context(read_only(out / "checkpoints")))
             if how[-1] is None:  # root without mount: inject what the kernel would say
                 path = out / "checkpoints" / "step_00000002.tmp"
-                m.setattr(C, "hashing_storage_writer",
+                m.setattr(checkpoint_save, "hashing_storage_writer",
                           lambda p: (_ for _ in ()).throw(OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))))
 
         _before_step(m, 2, lock_checkpoints)

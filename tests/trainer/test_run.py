@@ -69,6 +69,24 @@ def test_short_run_writes_the_run_directory(
     assert "done:" in err
 
 
+# The full recipes train in bf16: their tiny versions in that dtype, a few small steps (2 processes:
+# tests/distributed/test_run_resume.py).
+BF16 = ["model.dtype=bfloat16", "trainer.total_steps=2", "data.batch_size=4", "rollout.n=4",
+        "algorithm.mini_batch_size=16", "algorithm.ppo_epochs=1", "trainer.num_threads=1"]
+
+
+@pytest.mark.parametrize("recipe", ["gpt_oss_dapo_tiny", "deepseek_ppo_tiny"])
+def test_the_tiny_recipes_train_in_bfloat16(recipe: str, tmp_path: Path, run_cli, read_metrics) -> None:
+    out = tmp_path / "run"
+    rc, _, err = run_cli([recipe, "--output", str(out), *BF16])
+    assert rc == 0, err
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(math.isfinite(v) for r in rows for v in r.values()), rows
+    model = "critic" if recipe == "deepseek_ppo_tiny" else "actor"  # the critic's value head in bf16 too
+    assert all(r[f"{model}/grad_norm"] > 0 for r in rows)
+
+
 def test_dapo_counts_overlong_and_filters_groups(tmp_path: Path, run_cli, read_metrics) -> None:
     out = tmp_path / "run"
     # max 5 tokens with a 4-token buffer: almost every random response is penalised
@@ -153,8 +171,9 @@ def test_sigint_stops_a_run_cleanly_and_releases_its_directory(tmp_path: Path) -
     assert proc.returncode == 130, err
     lines = [line for line in err.splitlines() if line.startswith("polyrl run:")]
     assert lines[0].startswith("polyrl run: backend cpu")  # the run log's first line names the backend
-    assert "Traceback" not in err and len(lines) == 2 and "stopped by SIGINT at step" in lines[1], err
-    assert "the same command resumes from step" in lines[1]
+    assert lines[1].startswith("polyrl run: rollout engine hf")  # then the engine and why
+    assert "Traceback" not in err and len(lines) == 3 and "stopped by SIGINT at step" in lines[2], err
+    assert "the same command resumes from step" in lines[2]
     assert all((p / "COMPLETE").exists() for p in (out / "checkpoints").glob("step_????????"))
     check_unlocked(out)  # the lock went with the process
 
@@ -197,6 +216,21 @@ def test_a_non_finite_update_is_skipped_and_counted(tmp_path: Path, run_cli, rea
     assert (out / "checkpoints" / "step_00000002" / "COMPLETE").exists()
 
 
+def test_a_resumed_run_counts_its_non_finite_updates_on(tmp_path: Path, run_cli, read_metrics, monkeypatch) -> None:
+    """The counters a checkpoint holds are the ones the resumed run counts on: one skip before the checkpoint and one
+    after the resume make 2 (they froze at the checkpoint's 1 when the load replaced the counters' object)."""
+    out = tmp_path / "run"
+    args = ["gpt_oss_dapo_tiny", "--output", str(out), "data.batch_size=8", "trainer.save_every=1"]
+    monkeypatch.setattr(A, "policy_loss", _nan_policy_loss({1}))
+    rc, _, err = run_cli([*args, "trainer.total_steps=1"])
+    assert rc == 0, err
+    monkeypatch.setattr(A, "policy_loss", _nan_policy_loss({1}))  # the first update after the resume
+    rc, _, err = run_cli([*args, "trainer.total_steps=2"])
+    assert rc == 0, err
+    assert f"resuming {out} from step 1" in err
+    assert [r["train/nonfinite_skipped"] for r in read_metrics(out)] == [1, 2]
+
+
 def test_non_finite_updates_in_a_row_abort_without_a_checkpoint(
     tmp_path: Path, run_cli, read_metrics, monkeypatch
 ) -> None:
@@ -215,7 +249,8 @@ def test_non_finite_updates_in_a_row_abort_without_a_checkpoint(
     assert rc == 1
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[0].startswith("polyrl run: backend cpu (polyrl ")  # the run log names its backend first
-    assert len(lines) == 2 and "not finite" in lines[1] and "in a row" in lines[1]
+    assert lines[1].startswith("polyrl run: rollout engine hf")  # then the engine and why
+    assert len(lines) == 3 and "not finite" in lines[2] and "in a row" in lines[2]
     assert "Traceback" not in err
     assert not any((out / "checkpoints").glob("step_*"))
 

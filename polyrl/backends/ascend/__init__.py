@@ -7,20 +7,22 @@ first call; it has been run only against the CPU emulator of the documented API,
 
 CPU mode (``POLYRL_ASCEND_ON_CPU=1``; ``polyrl run/parity --emulate`` sets it, polyrl.emulation): the
 same backend code with the host as its device and, as its collective library, gloo behind HCCL's checks (the
-``hccl_emulated`` process group that polyrl.emulation registers: HCCL's dtypes, reduce ops and world sizes,
-its error text), so that whole recipes run
+``hccl_emulated`` process group that polyrl.emulation registers: HCCL's dtypes and reduce ops, its error text,
+the all-to-all types of the emulated release), so that whole recipes run
 against any stand-in module ``torch_npu`` (the packaged emulator, polyrl.emulation.npu). The backend is
 then available whenever a module ``torch_npu`` is importable or already in ``sys.modules``, and of that module
-it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``npu_grouped_matmul`` (MoE experts,
-polyrl.backends.ascend.experts), ``__version__`` and, where present,
+it calls only ``npu_fusion_attention``, ``npu_fusion_attention_grad``, ``npu_grouped_matmul`` and
+``npu_grouped_matmul_add_`` (MoE experts, polyrl.backends.ascend.experts), ``__version__`` and, where present,
 ``npu.utils.get_cann_version`` and ``npu.get_device_name`` (the chip, polyrl.backends.ascend.chip). Nothing in
 CPU mode says anything about an NPU: it proves the backend's code paths against the documented API.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -36,15 +38,33 @@ if TYPE_CHECKING:
 ON_CPU_ENV = "POLYRL_ASCEND_ON_CPU"
 # The torch.distributed backend of CPU mode: gloo with HCCL's rules (polyrl.emulation.hccl registers it).
 ON_CPU_COLLECTIVE = "hccl_emulated"
-# What HCCL reduces (ProcessGroupHCCL.cpp checkSupportedDataType, torch_npu v2.9.0-7.3.0): no float64 before
-# Ascend 950, no uint8 / bool. Gathers and broadcasts take every dtype.
+# What HCCL reduces (checkSupportedDataType, Ascend/pytorch torch_npu/csrc/distributed/ProcessGroupHCCL.cpp
+# @v7.3.0-pytorch2.8.0, l. 152-166): no float64 before Ascend 950, no uint8 / bool (allreduce casts those two to
+# int32 itself; reduce_scatter refuses them). Gathers and broadcasts take every dtype. No world size is refused:
+# ProcessGroupHCCL's _allgather_base / _reduce_scatter_base check tensor sizes only.
 HCCL_REDUCE_DTYPES = frozenset({"int8", "int16", "int32", "int64", "float16", "float32", "bfloat16"})
-HCCL_WORLD_SIZES_REFUSED = (3, 5, 6, 7)
-# What HCCL's all-to-all exchanges (HcclAlltoAllV's send / receive types in hccl.h): no bfloat16, no int16.
-# Expert parallelism sends bf16 token rows; ``AscendBackend.all_to_all`` sends other dtypes as their bytes.
+# What HCCL's all-to-all exchanges (HcclAlltoAllV's send types in Ascend/pytorch third_party/hccl/inc/hccl/hccl.h):
+# @v7.2.0-pytorch2.8.0 int8, int32, int64, uint64, float16, float32; @v7.3.0-pytorch2.8.0 (torch_npu 2.8.0.post2,
+# and every later release) also bfloat16, float64 and the other integer types. ``AscendBackend.all_to_all`` sends
+# another dtype as its bytes on the older releases only.
 HCCL_ALL_TO_ALL_DTYPES = frozenset({"int8", "int32", "int64", "uint64", "float16", "float32"})
-HCCL_WORLD_SIZE_RULE = ("HCCL's all_gather_into_tensor / reduce_scatter_tensor (FSDP2's collectives) refuse world "
-                        "sizes 3, 5, 6 and 7; use another number of processes (1, 2, 4, 8, ...)")
+HCCL_ALL_TO_ALL_DTYPES_7_3 = HCCL_ALL_TO_ALL_DTYPES | frozenset(
+    {"int16", "uint8", "bool", "uint16", "uint32", "float64", "bfloat16"})
+
+
+def all_to_all_dtypes() -> frozenset[str]:
+    """HcclAlltoAllV's types for the installed torch_npu (or its stand-in in CPU mode)."""
+    module = sys.modules.get("torch_npu")
+    if module is None:
+        import torch_npu as module  # already imported on an NPU machine (the device is its)
+    return _all_to_all_dtypes(str(getattr(module, "__version__", "")))
+
+
+@functools.lru_cache(maxsize=8)
+def _all_to_all_dtypes(version: str) -> frozenset[str]:
+    from polyrl.backends.ascend.compat import torch_npu_at_least
+
+    return HCCL_ALL_TO_ALL_DTYPES_7_3 if torch_npu_at_least(version, "7.3.0") else HCCL_ALL_TO_ALL_DTYPES
 
 
 def on_cpu() -> bool:
@@ -144,8 +164,8 @@ class AscendBackend(Backend):
         return {} if on_cpu() else super().memory_metrics()
 
     def check_world_size(self, world_size: int) -> None:
-        """HCCL's refused world sizes (also in CPU mode: the emulated run refuses what hardware would), and
-        FSDP2 on Ascend 950DT, where torch_npu marks ``fully_shard`` unsupported."""
+        """FSDP2 on Ascend 950DT, where torch_npu marks ``fully_shard`` unsupported (also in CPU mode: the
+        emulated run refuses what hardware would)."""
         super().check_world_size(world_size)
         if world_size > 1:
             from polyrl.backends.ascend.chip import check_fully_shard_supported
@@ -163,26 +183,27 @@ class AscendBackend(Backend):
             param_dtype="bfloat16",
             reduce_dtype="float32",
             cpu_offload_supported=True,
-            world_sizes_refused=HCCL_WORLD_SIZES_REFUSED,
-            world_size_rule=HCCL_WORLD_SIZE_RULE,
             env_defaults=env,
         )
 
     def all_to_all(self, output: Any, input: Any, output_split_sizes: list[int] | None,
                    input_split_sizes: list[int] | None, group: Any = None) -> None:
-        """``Backend.all_to_all`` within HCCL's all-to-all dtypes: a tensor of another dtype (the bf16 rows of
-        expert parallelism) travels as its bytes, each row viewed as int8, so it arrives bit for bit, with no
-        conversion and no more bytes on the wire. The split sizes count rows, which the view keeps."""
+        """``Backend.all_to_all`` within HCCL's all-to-all dtypes. From torch_npu 2.8.0.post2 (TorchNPU 7.3.0) that
+        includes the bf16 rows of expert parallelism: they go as they are. On older releases a tensor of another
+        dtype travels as its bytes, each row viewed as int8, so it arrives bit for bit, with no conversion and no
+        more bytes on the wire. The split sizes count rows, which the view keeps; a rank may send or receive no
+        rows at all (a 0-row tensor: decode with many expert-parallel ranks)."""
         import torch
 
-        if str(input.dtype).removeprefix("torch.") in HCCL_ALL_TO_ALL_DTYPES:
+        if str(input.dtype).removeprefix("torch.") in all_to_all_dtypes():
             super().all_to_all(output, input, output_split_sizes, input_split_sizes, group)
             return
         if input.dim() == 0 or output.dim() == 0:
             raise ValueError("all_to_all exchanges rows: expected tensors with a first dimension")
 
         def as_bytes(t: Any) -> Any:
-            return t.reshape(t.shape[0], -1).view(torch.int8)
+            # the row width from the shape, not from reshape(-1): that cannot infer it for a 0-row tensor
+            return t.reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.int8)
 
         target = output if output.is_contiguous() else torch.empty_like(output, memory_format=torch.contiguous_format)
         super().all_to_all(as_bytes(target), as_bytes(input.contiguous()), output_split_sizes, input_split_sizes,

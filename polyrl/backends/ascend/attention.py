@@ -15,7 +15,11 @@ Design choices (docs/background.md §2, §4):
 - Sinks, two routes chosen by :func:`sink_mode`:
   * ``native``: the op's own ``sink=`` (fp32 [Hq], unscaled), forward and backward, on torch_npu
     2.6.0.post5 / 2.7.1.post2 / 2.8.0.post2 / 2.9.0+ with CANN >= 8.5.0;
-  * ``lse``: older stacks. Run the op without sink and correct with its softmax statistics:
+  * ``lse``: older stacks (and Ascend 950). Run the op without sink and correct with its softmax statistics,
+    asked for in token order (``softmax_layout="TND"``: TorchNPU 7.2.0 with CANN 8.3.RC1 on) — the only layout
+    the documentation states plainly (op-plugin ``docs/context/torch_npu-npu_fusion_attention.md``@7.2.0 l. 131,
+    @7.3.0 l. 135: the default is "NTD", which does not say whether heads lead the whole batch or each sequence,
+    and a wrong guess would train GPT-OSS on wrong statistics silently). Without it the route is refused:
     ``O' = O * sigmoid(LSE - s)``; the backward is the op's own grad kernel fed the statistics of the
     softmax that includes the sink column (row max ``m' = max(m, s)``, row sum
     ``l' = l e^{m - m'} + e^{s - m'}``, i.e. ``sum + exp(s - max)`` re-based so that a large sink cannot
@@ -140,12 +144,22 @@ def sink_mode(torch_npu: Any) -> str:
 
 # --- what the installed release has ---------------------------------------------------------------
 def softmax_layout_supported(torch_npu: Any) -> bool:
-    """``softmax_layout="TND"`` (statistics in token order) exists from TorchNPU 7.2.0 with CANN 8.3.RC1; polyrl
-    uses it only where it is sure: the releases with ``sink=`` (7.3.0+, the table above) and CANN >= 8.3.RC1.
-    Elsewhere the statistics come in the default per-sequence order and are reordered here."""
+    """``softmax_layout="TND"`` (statistics in token order): from TorchNPU 7.2.0 (torch_npu 2.6.0.post3 / 2.7.1 /
+    2.8.0, any 2.9.0+; op-plugin ``op_plugin_functions.yaml``@7.2.0) with CANN 8.3.RC1 (the op's page @7.2.0)."""
+    from polyrl.backends.ascend.compat import torch_npu_at_least
+
     version = str(getattr(torch_npu, "__version__", ""))
     parsed = parse_cann_version(_cann_version(torch_npu) or "")
-    return torch_npu_supports_sink(version) and parsed is not None and parsed >= SOFTMAX_LAYOUT_CANN_MIN
+    return torch_npu_at_least(version, "7.2.0") and parsed is not None and parsed >= SOFTMAX_LAYOUT_CANN_MIN
+
+
+def lse_route_problem(torch_npu: Any) -> str:
+    """Why the lse sink route cannot run on this release ("" when it can): it needs token-order statistics."""
+    if softmax_layout_supported(torch_npu):
+        return ""
+    return (f"the lse sink route needs softmax_layout=\"TND\" (TorchNPU 7.2.0: torch_npu 2.6.0.post3 / 2.7.1 / 2.8.0 / "
+            f"2.9.0+, with CANN 8.3.RC1+), found torch_npu {getattr(torch_npu, '__version__', '?')} with CANN "
+            f"{_cann_version(torch_npu) or 'version unknown'}: upgrade them, or set model.attn_implementation=eager")
 
 
 def fp32_supported(torch_npu: Any) -> bool:
@@ -229,35 +243,16 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"group of {group} query heads cannot be split")
 
 
-# --- softmax statistics: [T, Hq, 8], per-sequence order by default -------------------------------------
-def _stat_rows(ends: list[int], hq: int, device: torch.device) -> torch.Tensor:
-    """[T, Hq]: the row of softmax_max/sum ([T*Hq] rows of 8) holding (token, head) in the op's default
-    TND order, where sequence b's statistics are one [Hq, s_b] block starting at row Hq * start_b."""
-    ends_t = torch.tensor(ends, dtype=torch.long, device=device)
-    lens = torch.diff(ends_t, prepend=ends_t.new_zeros(1))
-    starts = ends_t - lens
-    tok = torch.arange(int(ends[-1]), device=device)
-    doc = torch.repeat_interleave(torch.arange(len(ends), device=device), lens)  # [T]
-    head = torch.arange(hq, device=device)[None, :]
-    return (hq * starts[doc])[:, None] + head * lens[doc][:, None] + (tok - starts[doc])[:, None]
+# --- softmax statistics: [T, Hq, 8] in token order (softmax_layout="TND") --------------------------------
+def _stats_to_tokens(stat: torch.Tensor) -> torch.Tensor:
+    """softmax_max/sum [T, Hq, 8] (the value repeated 8 times) -> [T, Hq] fp32."""
+    return stat[..., 0].float()
 
 
-def _stats_to_tokens(stat: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """softmax_max/sum [T, Hq, 8] (default order, or token order when ``rows`` is None) -> [T, Hq] fp32."""
-    if rows is None:
-        return stat[..., 0].float()
-    t, hq = rows.shape
-    return stat.reshape(t * hq, -1)[rows.reshape(-1), 0].view(t, hq).float()
-
-
-def _stats_from_tokens(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """[T, Hq] fp32 -> [T, Hq, 8] in the op's order (the inverse of _stats_to_tokens)."""
+def _stats_from_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[T, Hq] fp32 -> [T, Hq, 8] (the inverse of _stats_to_tokens)."""
     t, hq = x.shape
-    if rows is None:
-        return x.float()[..., None].expand(t, hq, 8).contiguous()
-    out = torch.empty(t * hq, 8, dtype=torch.float32, device=x.device)
-    out[rows.reshape(-1)] = x.reshape(t * hq, 1).float().expand(t * hq, 8)
-    return out.view(t, hq, 8)
+    return x.float()[..., None].expand(t, hq, 8).contiguous()
 
 
 # --- the sink correction through the softmax statistics -----------------------------------------------
@@ -270,17 +265,15 @@ class _LseSinkAttention(torch.autograd.Function):
 
         hq = q.shape[1]
         out, smax, ssum = torch_npu.npu_fusion_attention(q, k, v, hq, "TND", scale=scale, **op_kwargs)[:3]
-        in_token_order = op_kwargs.get("softmax_layout") == "TND"
-        rows = None if in_token_order else _stat_rows(op_kwargs["actual_seq_qlen"], hq, q.device)
-        m = _stats_to_tokens(smax, rows)  # (T, Hq) row max of the sink-free logits
-        row_l = _stats_to_tokens(ssum, rows)  # (T, Hq) sum of exp(logit - m)
+        m = _stats_to_tokens(smax)  # (T, Hq) row max of the sink-free logits
+        row_l = _stats_to_tokens(ssum)  # (T, Hq) sum of exp(logit - m)
         s = sinks.float()[None, :]
         lse = m + torch.log(row_l)
         out_s = (out.float() * torch.sigmoid(lse - s)[..., None]).to(q.dtype)  # O'
         m_s = torch.maximum(m, s)  # statistics of the softmax that has the sink column
         l_s = row_l * torch.exp(m - m_s) + torch.exp(s - m_s)
         lse_s = m_s + torch.log(l_s)  # LSE' = logaddexp(LSE, s)
-        ctx.save_for_backward(q, k, v, sinks, out_s, _stats_from_tokens(m_s, rows), _stats_from_tokens(l_s, rows),
+        ctx.save_for_backward(q, k, v, sinks, out_s, _stats_from_tokens(m_s), _stats_from_tokens(l_s),
                               lse_s)
         ctx.op_kwargs, ctx.scale = op_kwargs, scale
         return out_s
@@ -334,7 +327,9 @@ def npu_varlen_attention(
         q = torch.nn.functional.pad(q, (0, dv - q.shape[2]))
         k = torch.nn.functional.pad(k, (0, dv - k.shape[2]))
     mode = sink_mode(torch_npu) if sinks is not None else None
-    layout = {"softmax_layout": "TND"} if mode == "lse" and softmax_layout_supported(torch_npu) else {}
+    if mode == "lse" and (problem := lse_route_problem(torch_npu)):
+        raise ValueError(problem)
+    layout = {"softmax_layout": "TND"} if mode == "lse" else {}
     calls = split_calls(_seq_ends(cu_seqlens))
     hkv = k.shape[1]
     kv_per_call = max(1, MAX_HEADS // (hq // hkv))

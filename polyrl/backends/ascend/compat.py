@@ -19,17 +19,47 @@ CANN_FACT = "cann"  # the CANN toolkit's version; None when no toolkit was found
 TORCH_CUDA_FACT = "torch cuda"  # contributed by the cuda backend's rows (torch's CUDA version)
 
 
+# The first torch_npu of a TorchNPU release per torch minor: Ascend/pytorch version.txt at the tags
+# v7.2.0-pytorch2.6.0 / -pytorch2.7.1 / -pytorch2.8.0 and v7.3.0-pytorch2.6.0 / 2.7.1 / 2.8.0 / 2.9.0. Every
+# torch_npu from 2.9.0 on belongs to 7.3.0 or a later release.
+TORCH_NPU_RELEASE_FIRSTS: dict[str, dict[tuple[int, int], str]] = {
+    "7.2.0": {(2, 6): "2.6.0.post3", (2, 7): "2.7.1", (2, 8): "2.8.0"},
+    "7.3.0": {(2, 6): "2.6.0.post5", (2, 7): "2.7.1.post2", (2, 8): "2.8.0.post2"},
+}
+TORCH_NPU_ALL_FROM = "2.9.0"
+
+
+def torch_npu_at_least(version: str, release: str) -> bool:
+    """Is torch_npu ``version`` of TorchNPU ``release`` ("7.2.0", "7.3.0") or a later one? An unreadable
+    version is not."""
+    from packaging.version import InvalidVersion
+
+    try:
+        v = Version(version)
+    except InvalidVersion:
+        return False
+    if v >= Version(TORCH_NPU_ALL_FROM):
+        return True
+    first = TORCH_NPU_RELEASE_FIRSTS[release].get((v.major, v.minor))
+    return first is not None and v >= Version(first)
+
 
 @dataclasses.dataclass(frozen=True)
 class VllmAscendRelease:
-    """One vllm-ascend release line X.Y (it pairs with vLLM X.Y), as its sources at the tag say — read there,
-    never run here (no NPU): the README's CANN, requirements.txt's torch / torch_npu, and three behaviours the
-    vllm rollout engine adapts to (polyrl.backends.ascend.rollout)."""
+    """One vllm-ascend release line X.Y (it pairs with vLLM X.Y), as its sources at ``tag`` say — read there,
+    never run here (no NPU): what pip installs with it (requirements.txt's torch / torch-npu / transformers, the
+    README's Python, the Dockerfile's CANN image and vLLM tag; frozen in tests/ascend/data/vllm_ascend_pins.txt,
+    which a test holds this table to), and three behaviours the vllm rollout engine adapts to
+    (polyrl.backends.ascend.rollout)."""
 
+    tag: str
     cann: str
     torch: str  # torch / torch_npu base version
-    # Its attention applies GPT-OSS's learnable sinks: from v0.15.0rc1. v0.13's attention forward takes the sinks
-    # in **kwargs and drops them, so GPT-OSS would roll out from another model than the one trained.
+    torch_npu: str  # requirements.txt's exact pin
+    transformers: str  # requirements.txt's specifier (vLLM's own line, where stricter, in the pins file)
+    # Its attention applies GPT-OSS's learnable sinks: from v0.15.0rc1. v0.13's and v0.14's attention forward take
+    # the sinks in **kwargs and drop them (no "sinks" in vllm_ascend/attention/ at those tags), so GPT-OSS would
+    # roll out from another model than the one trained.
     gpt_oss_sinks: bool
     # NPUWorker has reload_weights (from v0.24.0rc1). Without it the weight sync loads through the model's own
     # load_weights (collective_rpc on the worker), as other RL frameworks do; the engine detects it at run time.
@@ -37,24 +67,55 @@ class VllmAscendRelease:
     # Its sliding-window attention passes pre_tokens = sliding_window to the fused attention ops, which keep
     # pre_tokens + 1 keys (the query included): W + 1 keys where training and vLLM mean W. polyrl then builds
     # the engine with sliding_window = W - 1 (attention_v1.py, prefill and decode paths, every tag below).
-    pre_tokens_is_sliding_window: bool
+    pre_tokens_is_sliding_window: bool = True
 
 
 VLLM_ASCEND_RELEASES: dict[str, VllmAscendRelease] = {
-    "0.24": VllmAscendRelease("9.0.1", "2.10.0", gpt_oss_sinks=True, reload_weights=True,
-                              pre_tokens_is_sliding_window=True),  # v0.24.0rc1
-    "0.23": VllmAscendRelease("9.1.0", "2.10.0", gpt_oss_sinks=True, reload_weights=False,
-                              pre_tokens_is_sliding_window=True),
-    "0.18": VllmAscendRelease("8.5.1", "2.9.0", gpt_oss_sinks=True, reload_weights=False,
-                              pre_tokens_is_sliding_window=True),
-    "0.15": VllmAscendRelease("8.5.0", "2.9.0", gpt_oss_sinks=True, reload_weights=False,
-                              pre_tokens_is_sliding_window=True),  # v0.15.0rc1
-    "0.13": VllmAscendRelease("8.5.0", "2.8.0", gpt_oss_sinks=False, reload_weights=False,
-                              pre_tokens_is_sliding_window=True),
+    "0.24": VllmAscendRelease("v0.24.0rc1", "9.0.1", "2.10.0", "2.10.0.post2", "==5.13.0", gpt_oss_sinks=True,
+                              reload_weights=True),
+    "0.23": VllmAscendRelease("v0.23.0", "9.1.0", "2.10.0", "2.10.0.post4", "==5.5.4", gpt_oss_sinks=True,
+                              reload_weights=False),
+    "0.18": VllmAscendRelease("v0.18.0", "8.5.1", "2.9.0", "2.9.0", ">=4.57.4", gpt_oss_sinks=True,
+                              reload_weights=False),
+    "0.15": VllmAscendRelease("v0.15.0rc1", "8.5.0", "2.9.0", "2.9.0", ">=4.57.4", gpt_oss_sinks=True,
+                              reload_weights=False),
+    "0.14": VllmAscendRelease("v0.14.0rc1", "8.5.0", "2.9.0", "2.9.0", ">=4.57.3", gpt_oss_sinks=False,
+                              reload_weights=False),
+    "0.13": VllmAscendRelease("v0.13.0", "8.5.0", "2.8.0", "2.8.0.post2", ">=4.57.4,<5", gpt_oss_sinks=False,
+                              reload_weights=False),
 }
 # vllm-ascend release -> (CANN, torch / torch_npu base version).
 VLLM_ASCEND_PAIRS: dict[str, tuple[str, str]] = {k: (r.cann, r.torch) for k, r in VLLM_ASCEND_RELEASES.items()}
 GPT_OSS_SINKS_FROM = "0.15"
+
+
+@dataclasses.dataclass(frozen=True)
+class AscendStack:
+    """One set pip installs together with polyrl (a CPU test resolves its pins against pyproject.toml's). The
+    rollout engine is ``hf``: no vllm-ascend release installs beside polyrl's transformers (docs/ascend.md, "The
+    stacks": v0.13.0 pins transformers < 5, v0.14-v0.18 run on a vLLM that pins < 5, v0.19.1rc1-v0.25.1rc1 pin an
+    exact 5.x below 5.16.1). CANN and torch / torch_npu are the pairs vllm-ascend's releases were built on."""
+
+    cann: str
+    torch: str
+    torch_npu: str
+    transformers: str  # polyrl's own range (pyproject.toml)
+    python: str
+    vllm_ascend: str | None = None  # None: none installs beside polyrl; rollout.engine resolves to hf
+    paired_with: str = ""  # the vllm-ascend release whose CANN / torch pair this is
+
+    def line(self) -> str:
+        return (f"CANN {self.cann}, torch=={self.torch}, torch-npu=={self.torch_npu}, "
+                f"transformers{self.transformers}, Python{self.python}, rollout.engine=hf")
+
+
+POLYRL_TRANSFORMERS = ">=5.16.1,<5.20"  # pyproject.toml's (a test keeps them equal)
+# Newest first: doctor names the first as the row to install.
+ASCEND_STACKS: tuple[AscendStack, ...] = (
+    AscendStack("9.1.0", "2.10.0", "2.10.0.post4", POLYRL_TRANSFORMERS, ">=3.10,<3.13", paired_with="v0.23.0"),
+    AscendStack("8.5.1", "2.9.0", "2.9.0", POLYRL_TRANSFORMERS, ">=3.10,<3.12", paired_with="v0.18.0"),
+    AscendStack("8.5.0", "2.8.0", "2.8.0.post2", POLYRL_TRANSFORMERS, ">=3.10,<3.12", paired_with="v0.13.0"),
+)
 
 
 def installed_vllm_ascend() -> str | None:
@@ -171,7 +232,23 @@ def vllm_ascend_pairs(env: Environment) -> list[Problem]:
     return problems
 
 
-RULES = (torch_npu_without_cann, torch_npu_pairs_torch, vllm_ascend_pairs)
+def seed_era_stack(env: Environment) -> list[Problem]:
+    """torch-npu beside a transformers 4 (the stack of the first published GPT-OSS port on Ascend: vllm-ascend
+    v0.13.0, torch 2.8, transformers 4.57): refused in one line naming the newest row that installs with polyrl."""
+    npu, tf = env.versions.get("torch-npu"), env.versions.get("transformers")
+    if not npu or not tf or Version(tf).major >= 5:
+        return []
+    va = env.versions.get("vllm-ascend")
+    beside = f", vllm-ascend {va}" if va else ""
+    return [Problem(
+        "transformers",
+        f"transformers {tf} with torch-npu {npu}{beside} is the seed-era Ascend stack, which polyrl does not run (it "
+        f"needs transformers{POLYRL_TRANSFORMERS}, which no vllm-ascend release accepts)",
+        f"install the newest supported row: {ASCEND_STACKS[0].line()}",
+    )]
+
+
+RULES = (torch_npu_without_cann, torch_npu_pairs_torch, vllm_ascend_pairs, seed_era_stack)
 
 
 def compatibility() -> Compatibility:

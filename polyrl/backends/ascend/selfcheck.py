@@ -12,10 +12,13 @@ names the case, so the first user with hardware learns at once which assumption 
 
 tests/ascend/test_selfcheck.py runs the same cases on the CPU emulator (which proves the check, not an NPU).
 
-It also runs the MoE experts kernel (polyrl.backends.ascend.experts: ``npu_grouped_matmul`` and the backward
-written with it) on one experts layer of each tiny preset, float32 and bfloat16, against the reference experts.
+It also runs the MoE experts kernel (polyrl.backends.ascend.experts: ``npu_grouped_matmul`` forward, its backward
+through ``npu_grouped_matmul_add_``) on one experts layer of each tiny preset, float32 and bfloat16, against the
+reference experts, and the backend's all-to-all (expert parallelism's exchange) on a one-process group of the
+device's collective library: bf16, float32 and int64 rows, and a rank that sends and receives no rows at all.
 
-A route the installed release cannot take (native on a torch_npu without ``sink=``, or on Ascend 950) is reported
+A route the installed release cannot take (native on a torch_npu without ``sink=``, or on Ascend 950; lse without
+``softmax_layout="TND"``) is reported
 "not run" with the reason, never as passed. ``polyrl doctor --backend ascend --selfcheck`` runs this module (a
 child process) after the compatibility report; docs/ascend.md has the first-run checklist around it.
 """
@@ -30,7 +33,7 @@ from typing import Any
 
 import torch
 
-from polyrl.backends.ascend.attention import SINK_ENV, detect_sink_mode
+from polyrl.backends.ascend.attention import SINK_ENV, detect_sink_mode, lse_route_problem
 from polyrl.core.tolerances import check_close
 
 DOC_LENS = (1, 5, 130, 2)  # ragged: one-token documents and one longer than the 128-key window
@@ -50,7 +53,7 @@ class SelfCheckRow:
     detail: str = ""
 
     def line(self) -> str:
-        if self.route.startswith("experts"):  # "experts gpt_oss_tiny": the MoE experts kernel on one model's layer
+        if self.route not in ROUTES:  # "experts gpt_oss_tiny", "all_to_all ...": not an attention case
             return f"[{self.status:>7}] {self.route:<30} {self.dtype:<8} {self.detail}"
         w = "causal" if self.window is None else f"window {self.window}"
         return f"[{self.status:>7}] sinks {self.route:<6} {w:<11} {self.dtype:<8} {self.detail}"
@@ -93,6 +96,9 @@ def run_self_check(backend: Any = None) -> list[SelfCheckRow]:
             name = str(dtype).removeprefix("torch.")
             if route == "native" and detected != "native":
                 rows.append(SelfCheckRow(route, window, name, NOT_RUN, why))
+                continue
+            if route == "lse" and (problem := lse_route_problem(torch_npu)):
+                rows.append(SelfCheckRow(route, window, name, NOT_RUN, problem))
                 continue
             os.environ[SINK_ENV] = route
             expected = _attend(ref_backend, inputs, cu, sinks, d_out, window, torch.float32, torch.device("cpu"))
@@ -176,8 +182,46 @@ def run_experts_check(backend: Any = None) -> list[SelfCheckRow]:
     return rows
 
 
+ALL_TO_ALL_DTYPES = (torch.bfloat16, torch.float32, torch.int64)
+
+
+def run_all_to_all_check(backend: Any = None) -> list[SelfCheckRow]:
+    """``backend.all_to_all`` on a one-process group of its collective library (HCCL on the NPU): five rows to
+    itself, and no rows at all (a 0-row tensor, as a rank that receives no tokens sends in decode), per dtype; the
+    rows must arrive bit for bit. The group is the process's own when one is open."""
+    import torch.distributed as dist
+
+    from polyrl.core.plugins import list_backends
+
+    backend = backend if backend is not None else list_backends()["ascend"]
+    device = backend.device(0)
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group(backend.collective_backend, store=dist.HashStore(), rank=0, world_size=1,
+                                **backend.process_group_options(0))
+    rows = []
+    try:
+        for dtype, n in itertools.product(ALL_TO_ALL_DTYPES, (5, 0)):
+            name = str(dtype).removeprefix("torch.")
+            case = f"all_to_all {'empty rank' if n == 0 else f'{n} rows'}"
+            sent = (torch.arange(n * 6, dtype=torch.float32).view(n, 6) * 0.37 - 3).to(device=device, dtype=dtype)
+            got = torch.full_like(sent, 7)
+            try:
+                backend.all_to_all(got, sent, [n], [n])
+            except Exception as exc:  # the library refused the call: that is the finding
+                rows.append(SelfCheckRow(case, None, name, FAIL, f"{type(exc).__name__}: {exc}"[:200]))
+                continue
+            exact = got.shape == sent.shape and torch.equal(got.cpu(), sent.cpu())
+            rows.append(SelfCheckRow(case, None, name, PASS if exact else FAIL,
+                                     "bit for bit" if exact else "rows differ from those sent"))
+    finally:
+        if own:
+            dist.destroy_process_group()
+    return rows
+
+
 def main() -> int:
-    rows = run_self_check() + run_experts_check()
+    rows = run_self_check() + run_experts_check() + run_all_to_all_check()
     for row in rows:
         print(row.line(), flush=True)
     ran = [r for r in rows if r.status != NOT_RUN]

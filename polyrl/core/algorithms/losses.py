@@ -26,6 +26,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float | None = None,
+    weights: torch.Tensor | None = None,
     agg: str = "token-mean",
     global_tokens: int | float | None = None,
     global_seqs: int | float | None = None,
@@ -34,17 +35,21 @@ def policy_loss(
     """Clipped surrogate policy loss with separate low/high clip and optional dual clip.
 
     ratio = exp(clamp(logp − old, ±20)); pg1 = −A·ratio; pg2 = −A·clamp(ratio, 1 − clip_low, 1 + clip_high);
-    L = max(pg1, pg2); for A < 0 with dual clip: L = min(−A·clip_c, L). Then ``aggregate(L, mask, agg)``.
+    L = max(pg1, pg2); for A < 0 with dual clip: L = min(−A·clip_c, L); with ``weights`` (the rollout
+    correction's IS weights, detached): L ← w·L. Then ``aggregate(L, mask, agg)``.
 
     Args:
         logp: [B, T] current log-probs (differentiable). old_logp: [B, T] behaviour log-probs.
         advantages: [B, T]. mask: [B, T] 0/1 response mask.
         clip_low, clip_high: ε_low, ε_high (DAPO clip-higher: 0.2 / 0.28).
         clip_c: dual-clip constant c > 1 (None disables; reference PPO uses 3, DAPO 10).
+        weights: [B, T] per-token weights of the loss (None: 1), e.g. truncated IS weights π_old/μ.
         agg, global_tokens, global_seqs, max_len: see ``aggregate``.
     Returns:
         (loss 0-d, metrics): pg_clipfrac (fraction where the clipped term was taken), ppo_kl
-        (mean of old − logp), pg_clipfrac_lower (fraction where the dual clip bound was taken).
+        (mean of old − logp), pg_clipfrac_lower (fraction where the dual clip bound was taken),
+        clipfrac_low / clipfrac_high (fractions with A < 0 and ratio < 1 − clip_low / A > 0 and
+        ratio > 1 + clip_high: which side of the clip range was hit, of this ratio, clamp included).
     """
     if clip_c is not None and clip_c <= 1.0:
         raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")
@@ -57,6 +62,8 @@ def policy_loss(
     with torch.no_grad():
         clipfrac = masked_mean((pg2 > pg1).float(), mask)
         ppo_kl = masked_mean(-log_ratio.float(), mask)
+        clipfrac_low = masked_mean(((adv < 0) & (ratio < 1.0 - clip_low)).float(), mask)
+        clipfrac_high = masked_mean(((adv > 0) & (ratio > 1.0 + clip_high)).float(), mask)
     if clip_c is not None:
         pg3 = -adv * clip_c
         lower = torch.minimum(pg3, clipped)
@@ -66,8 +73,11 @@ def policy_loss(
     else:
         clipfrac_lower = torch.zeros((), device=logp.device)
         loss_mat = clipped
+    if weights is not None:
+        loss_mat = loss_mat * weights.detach().to(loss_mat.dtype)
     loss = aggregate(loss_mat, mask, agg, global_tokens=global_tokens, global_seqs=global_seqs, max_len=max_len)
-    metrics = {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower}
+    metrics = {"pg_clipfrac": clipfrac, "ppo_kl": ppo_kl, "pg_clipfrac_lower": clipfrac_lower,
+               "clipfrac_low": clipfrac_low, "clipfrac_high": clipfrac_high}
     return loss, metrics
 
 

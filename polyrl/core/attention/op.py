@@ -4,9 +4,9 @@ Two forms share one semantics (docs/background.md §1-2):
 
 - :func:`varlen_attention` — training: packed documents, no padding, one query per key. It validates its
   inputs once here and dispatches to the given backend (a model's attention passes the backend bound to it
-  at construction, :mod:`polyrl.core.attention.hf`) or, for a direct call without one, the process's active
-  backend; the backend's ``varlen_attention`` is a native kernel or the exact reference of
-  :mod:`polyrl.core.attention.reference`.
+  at construction, :mod:`polyrl.core.attention.hf`) or, for a direct call naming none, the selection rule's
+  default (``polyrl.core.plugins.selection.default_backend``, resolved once per process); the backend's
+  ``varlen_attention`` is a native kernel or the exact reference of :mod:`polyrl.core.attention.reference`.
 - :func:`decode_attention` — generation: a batch of queries sitting at the END of a KV cache
   (q_len <= k_len, bottom-right aligned) with a key padding mask (left padding). It is dense over the
   cache (chunked over queries) and runs the same fp32 math on every backend for now: no backend provides a
@@ -102,7 +102,7 @@ def varlen_attention(
         scale: logit scale, default D ** -0.5.
         window: None (full causal) or W >= 1: a query sees its W most recent keys, itself included.
         sinks: None or [Hq]: unscaled per-head logit in the softmax denominator only.
-        backend: None (the active backend), a backend name, or a Backend object.
+        backend: None (``default_backend()``: the selection rule's choice), a backend name, or a Backend object.
 
     Returns:
         [T, Hq, Dv] in q's dtype, differentiable in q, k, v and sinks.

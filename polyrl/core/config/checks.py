@@ -7,7 +7,9 @@ run, the launcher and every worker see the same verdict. What depends on the wor
 
 from __future__ import annotations
 
-from polyrl.core.config.schema import RunConfig
+import math
+
+from polyrl.core.config.schema import RolloutCorrectionConfig, RunConfig
 from polyrl.core.errors import BadInputError
 
 
@@ -21,6 +23,8 @@ def check_config(cfg: RunConfig) -> None:
             f"algorithm.overlong.buffer_length: expected 1..rollout.max_response_length "
             f"({ro.max_response_length}), got {alg.overlong.buffer_length}"
         )
+    if ro.routing_replay is True:
+        raise BadInputError("rollout.routing_replay: expected one of 'off', 'r2', 'r3', got true")
     if ro.temperature <= 0 or not 0 < ro.top_p <= 1:
         raise BadInputError("rollout: temperature must be > 0 and top_p in (0, 1]")
     for name, value in (("data.batch_size", cfg.data.batch_size), ("rollout.n", ro.n),
@@ -32,4 +36,54 @@ def check_config(cfg: RunConfig) -> None:
             raise BadInputError(f"{name}: expected an integer >= 1, got {value}")
     if alg.adv_estimator == "grpo" and ro.n < 2:
         raise BadInputError("rollout.n: grpo needs at least 2 samples per prompt")
+    _check_lora(cfg)
+    _check_rollout_correction(alg.rollout_correction)
+
+
+def _check_band(name: str, band: list[float]) -> None:
+    """A ratio band [low, high] around 1: identical policies (every ratio 1) must pass it."""
+    if len(band) != 2 or not (0 < band[0] <= 1 <= band[1] and band[0] < band[1] and math.isfinite(band[1])):
+        raise BadInputError(f"{name}: expected [low, high] with 0 < low <= 1 <= high, low < high, got {band}")
+
+
+def _check_rollout_correction(rc: RolloutCorrectionConfig) -> None:
+    where = "algorithm.rollout_correction"
+    if not (rc.is_cap > 0 and math.isfinite(rc.is_cap)):
+        raise BadInputError(f"{where}.is_cap: expected a finite number > 0, got {rc.is_cap}")
+    if rc.token_mask_band is not None:
+        _check_band(f"{where}.token_mask_band", rc.token_mask_band)
+    if (rc.seq_reject is None) != (rc.seq_reject_band is None):
+        raise BadInputError(f"{where}: seq_reject and seq_reject_band go together (got seq_reject={rc.seq_reject}, "
+                            f"seq_reject_band={rc.seq_reject_band})")
+    if rc.seq_reject_band is not None:
+        _check_band(f"{where}.seq_reject_band", rc.seq_reject_band)
+    if rc.enable is True and rc.is_level is None and rc.token_mask_band is None and rc.seq_reject is None:
+        raise BadInputError(f"{where}.enable: true with is_level, token_mask_band and seq_reject all null "
+                            "corrects nothing")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """model.lora's values (what needs the model, targets that match nothing, is polyrl.core.models.lora's)."""
+    lora = cfg.model.lora
+    if not lora.enabled:
+        return
+    if lora.rank < 1:
+        raise BadInputError(f"model.lora.rank: expected an integer >= 1, got {lora.rank}")
+    if not lora.alpha > 0:
+        raise BadInputError(f"model.lora.alpha: expected a number > 0, got {lora.alpha}")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise BadInputError(f"model.lora.dropout: expected a number in [0, 1), got {lora.dropout}")
+    for key in ("target_modules", "target_parameters"):
+        for name in getattr(lora, key):
+            if not name or name.strip(".") != name or " " in name:
+                raise BadInputError(f"model.lora.{key}: {name!r} is not a module or parameter path")
+    if lora.preset == "none" and not (lora.target_modules or lora.target_parameters):
+        raise BadInputError("model.lora.preset: none needs model.lora.target_modules or target_parameters")
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise BadInputError("model.lora needs peft, which is not installed: pip install 'polyrl[lora]'")
+    if cfg.sharding.expert_parallel > 1:
+        raise BadInputError(f"model.lora with sharding.expert_parallel={cfg.sharding.expert_parallel}: adapters on "
+                            "split experts are not supported; set sharding.expert_parallel=1")
 

@@ -15,6 +15,26 @@ from typing import Any, Literal
 
 
 @dataclass
+class LoraConfig:
+    # LoRA adapters through peft (polyrl.core.models.lora, docs/lora.md): only the adapters train, the reference
+    # policy is the same model with its adapters off (no second copy).
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 32.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # on the adapters' inputs; 0 where target_parameters is set (peft has no dropout there)
+    # auto: the targets of the model family (attention + MoE experts: gpt_oss, deepseek_v3); or a family by name;
+    # "none": only target_modules / target_parameters below.
+    preset: Literal["auto", "none", "gpt_oss", "deepseek_v3"] = "auto"
+    # Extra module-name suffixes (nn.Linear) and parameter paths (3-D expert weights, peft's target_parameters),
+    # added to the preset's.
+    target_modules: list[str] = field(default_factory=list)
+    target_parameters: list[str] = field(default_factory=list)
+    # The hf engine generates on the adapters merged into the weights (a copy of the adapted weights while it
+    # generates; the base is put back exactly); false: through the adapters (no copy, a delta per forward).
+    merge_for_rollout: bool = True
+
+
+@dataclass
 class ModelConfig:
     # A local HF checkpoint directory (its weights are loaded), or a preset of polyrl.core.models
     # ("gpt_oss_tiny", "deepseek_v3_tiny", "gpt_oss_20b", ...: random init at that architecture).
@@ -38,6 +58,7 @@ class ModelConfig:
     # The preset describing model.name's architecture, for `polyrl run --dry-run` before the checkpoint is
     # there (the memory plan builds the model on the meta device from it). Never used to train.
     preset: str | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -76,6 +97,15 @@ class RolloutConfig:
     stop_token_ids: list[int] = field(default_factory=list)
     # Sequences generated together (memory bound); 0 = all at once.
     micro_batch_size: int = 0
+    # MoE routing replay (docs/rollout.md): off | r2 (the update epochs replay the experts the trainer's own
+    # old-log-prob pass chose) | r3 (the engine returns the experts it routed every token to; the old-log-prob
+    # pass and the update replay them). Weights always come from the trainer's router (gradients reach it).
+    # (YAML reads a bare `off` as false: false is taken as "off", true is refused.)
+    routing_replay: Literal["off", "r2", "r3"] | bool = "off"
+
+    def __post_init__(self) -> None:
+        if self.routing_replay is False:
+            self.routing_replay = "off"
 
 
 @dataclass
@@ -94,6 +124,25 @@ class DynamicSamplingConfig:
     max_num_gen_batches: int = 10
     # When the bound is hit: "error" (DAPO: stop with a clear message) or "train" on what was kept.
     on_exhausted: Literal["error", "train"] = "error"
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    # Importance weights between the engine's sampling policy μ (the batch's rollout log-probs) and the trainer's
+    # π_old of the same tokens, applied in the policy loss (docs/algorithms.md, "Rollout correction"). auto: on for
+    # an engine with its own weights (vllm), off for the hf engine (its log-probs are the trainer's); the run log
+    # says which. The mismatch metrics (mismatch/*) are logged every step either way.
+    enable: bool | Literal["auto"] = "auto"
+    # The IS weight's level: token (truncated IS per token), sequence (product of the token ratios), geometric
+    # (their geometric mean), null (no weight: only the masks below).
+    is_level: Literal["token", "sequence", "geometric"] | None = "token"
+    is_cap: float = 2.0  # truncation: w = min(ρ, is_cap)
+    # IcePop: a token whose ratio π_old/μ is outside [low, high] is dropped from the update (null: off).
+    token_mask_band: list[float] | None = None
+    # Drop a whole sequence when its worst token's ratio (max_token) or its geometric-mean ratio (geometric) is
+    # outside seq_reject_band [low, high] (both are needed together).
+    seq_reject: Literal["max_token", "geometric"] | None = None
+    seq_reject_band: list[float] | None = None
 
 
 @dataclass
@@ -129,6 +178,7 @@ class AlgorithmConfig:
     critic_warmup_steps: int = 0
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
 
 
 @dataclass

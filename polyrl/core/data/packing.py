@@ -1,4 +1,5 @@
-"""How sequences are packed into micro-batches by a token budget (``algorithm.micro_batch_tokens``).
+"""How sequences are packed into micro-batches by a token budget (``algorithm.micro_batch_tokens``), and whether
+documents are packed at all (``packs_documents``).
 
 One rule, read by the trainer (its forward and update passes split their rows with :func:`pack_rows`) and by the
 dry-run memory plan (which sizes one micro-batch with :func:`micro_batch_token_bound`): rows are taken in order
@@ -9,6 +10,16 @@ micro-batch of its own.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+# The attention implementation that splits packed documents by position_ids (polyrl.core.attention.hf).
+PACKING_ATTENTION = "polyrl"
+
+
+def packs_documents(attn_implementation: str) -> bool:
+    """Whether rows are packed documents (one long row, no padding, each document attending only to itself) or
+    padded rows: packing needs an attention that splits documents by position_ids, which only polyrl's does; eager
+    and sdpa get padded rows and [Hq, S, S] scores. The trainer's learners and the dry-run plan both ask here."""
+    return attn_implementation == PACKING_ATTENTION
 
 
 def pack_rows(lengths: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -10,14 +10,15 @@ for FSDP2 over the whole world), so the routing is transformers' own, identical 
 A forward of the MoE layer then runs, on every rank of the ep group (SPMD: every rank calls it as often as
 the others, as FSDP2 already requires):
 
-1. ``Backend.expert_dispatch``: every (token, expert) pair becomes one row, rows are sorted by expert (so by
-   the rank that holds it), the per-expert row counts are exchanged (``all_to_all`` of E integers), then the
-   rows themselves (``all_to_all`` with the variable split sizes those counts give; no capacity, no token is
-   ever dropped), and the received rows are grouped by local expert;
+1. ``backend.collectives.expert_dispatch`` (default: polyrl.core.plugins.expert_exchange): every (token, expert)
+   pair becomes one row, rows are sorted by expert (so by the rank that holds it), the per-expert row counts are
+   exchanged (``all_to_all`` of E integers), then the rows themselves (``all_to_all`` with the variable split
+   sizes those counts give; no capacity, no token is ever dropped), and the received rows are grouped by local
+   expert;
 2. the local experts compute their rows with transformers' own experts function on the local weights (whatever
    ``model.experts_implementation`` selects: eager, grouped_mm, ...), so an expert computes exactly what it
    computes without expert parallelism (routing weight 1: the weighting is the combine's);
-3. ``Backend.expert_combine``: the rows go back by the inverse ``all_to_all``, and each token's k rows are
+3. ``backend.collectives.expert_combine``: the rows go back by the inverse ``all_to_all``, and each token's k rows are
    weighted by its routing weights and summed.
 
 Backward runs the same two row exchanges in reverse (the all-to-all's gradient is the all-to-all with the
@@ -29,112 +30,22 @@ ranks that hold the same experts, and only over them.
 from __future__ import annotations
 
 import copy
-import dataclasses
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from polyrl.core.plugins.expert_exchange import group_size
+
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
+
     from polyrl.core.plugins.backend import Backend
 
 # The parameters of a transformers experts module that are split along their first dimension (the experts).
 _EXPERT_PARAMS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-
-
-@dataclasses.dataclass
-class ExpertDispatch:
-    """What ``dispatch`` hands the local experts and ``combine`` needs to bring their rows back.
-
-    ``tokens`` [N, H]: the rows this rank's experts compute, grouped by local expert (ascending); ``expert_ids``
-    [N]: their local expert index. The rest is the default implementation's bookkeeping (a backend's fused
-    dispatch keeps its own in ``state``)."""
-
-    tokens: torch.Tensor
-    expert_ids: torch.Tensor
-    shape: tuple[int, int]  # (T, k) of the tokens dispatched
-    order: torch.Tensor | None = None  # slot permutation: slot order -> sorted by global expert
-    regroup: torch.Tensor | None = None  # received order -> grouped by local expert
-    send_splits: list[int] | None = None  # rows sent to each rank of the group
-    recv_splits: list[int] | None = None  # rows received from each rank of the group
-    group: Any = None
-    state: Any = None
-
-
-class _AllToAll(torch.autograd.Function):
-    """``Backend.all_to_all`` of rows with autograd: the gradient goes back by the inverse exchange."""
-
-    @staticmethod
-    def forward(ctx: Any, rows: torch.Tensor, backend: Backend, group: Any, out_splits: list[int],
-                in_splits: list[int]) -> torch.Tensor:
-        ctx.backend, ctx.group, ctx.out_splits, ctx.in_splits = backend, group, out_splits, in_splits
-        out = rows.new_empty((sum(out_splits), *rows.shape[1:]))
-        backend.all_to_all(out, rows.contiguous(), out_splits, in_splits, group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        back = grad.new_empty((sum(ctx.in_splits), *grad.shape[1:]))
-        ctx.backend.all_to_all(back, grad.contiguous(), ctx.in_splits, ctx.out_splits, ctx.group)
-        return back, None, None, None, None
-
-
-def all_to_all_rows(backend: Backend, rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    group: Any) -> torch.Tensor:
-    """Differentiable all-to-all of the rows of ``rows`` (block r, ``in_splits[r]`` rows, goes to rank r)."""
-    return _AllToAll.apply(rows, backend, group, out_splits, in_splits)
-
-
-def _inverse(perm: torch.Tensor) -> torch.Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
-
-
-def group_size(group: Any) -> int:
-    import torch.distributed as dist
-
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def dispatch(backend: Backend, hidden: torch.Tensor, expert_ids: torch.Tensor, *, num_experts: int,
-             group: Any = None) -> ExpertDispatch:
-    """The default ``Backend.expert_dispatch`` (contract there)."""
-    T, k = expert_ids.shape
-    flat = expert_ids.reshape(-1)
-    # A stable sort keeps a token's rows for one expert in token order: the same rows, in the same order, on
-    # every ep size, so an expert sees its rows in one order whatever the split.
-    order = torch.argsort(flat, stable=True)
-    rows = hidden[order // k]
-    ep = group_size(group)
-    if ep == 1:
-        return ExpertDispatch(rows, flat[order], (T, k), order=order)
-    local = num_experts // ep
-    counts = torch.bincount(flat, minlength=num_experts)  # rows for each global expert
-    recv_counts = torch.empty_like(counts)  # [ep, local]: rows each rank sends to each of this rank's experts
-    backend.all_to_all(recv_counts, counts, None, None, group)
-    send_splits = counts.view(ep, local).sum(1).tolist()
-    recv_splits = recv_counts.view(ep, local).sum(1).tolist()
-    received = all_to_all_rows(backend, rows, recv_splits, send_splits, group)
-    # Received: source rank 0's rows (by local expert), then rank 1's, ...; group them by local expert.
-    ids = torch.arange(local, device=flat.device).repeat(ep).repeat_interleave(recv_counts)
-    regroup = torch.argsort(ids, stable=True)
-    return ExpertDispatch(received[regroup], ids[regroup], (T, k), order=order, regroup=regroup,
-                          send_splits=send_splits, recv_splits=recv_splits, group=group)
-
-
-def combine(backend: Backend, expert_out: torch.Tensor, dispatched: ExpertDispatch,
-            weights: torch.Tensor) -> torch.Tensor:
-    """The default ``Backend.expert_combine`` (contract there)."""
-    T, k = dispatched.shape
-    rows = expert_out
-    if dispatched.regroup is not None:
-        rows = all_to_all_rows(backend, rows[_inverse(dispatched.regroup)], dispatched.send_splits,
-                               dispatched.recv_splits, dispatched.group)
-    slots = rows[_inverse(dispatched.order)].view(T, k, -1)
-    # As transformers' grouped experts: weighted rows summed over k in the weights' dtype, then the tokens' dtype.
-    return (slots * weights.unsqueeze(-1)).sum(dim=1).to(expert_out.dtype)
-
 
 # --- the module -------------------------------------------------------------------------------------------
 def is_hf_experts(module: nn.Module) -> bool:
@@ -163,7 +74,7 @@ class ExpertParallelExperts(nn.Module):
     parallel path). Otherwise the parameters hold this rank's ``E / ep`` experts (DTensors on the ep mesh, see
     :func:`shard_experts`, or plain local tensors)."""
 
-    def __init__(self, experts: nn.Module, backend: Backend, group: Any = None) -> None:
+    def __init__(self, experts: nn.Module, backend: Backend, group: ProcessGroup | None = None) -> None:
         super().__init__()
         if not is_hf_experts(experts):
             raise TypeError(f"{type(experts).__name__} is not a fused experts module")
@@ -210,9 +121,10 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        d = self.backend.expert_dispatch(hidden_states, top_k_index, num_experts=self.num_experts, group=self.group)
-        out = self.local_experts(d.tokens, d.expert_ids)
-        return self.backend.expert_combine(out, d, top_k_weights)
+        collectives = self.backend.collectives
+        d = collectives.expert_dispatch(hidden_states, top_k_index, num_experts=self.num_experts, group=self.group)
+        out = self.local_experts(d.tokens, d.expert_ids)  # [N, H]
+        return collectives.expert_combine(out, d, top_k_weights)
 
 
 def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
@@ -225,7 +137,7 @@ def experts_modules(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
     return found
 
 
-def shard_experts(model: nn.Module, backend: Backend, ep_mesh: Any) -> list[ExpertParallelExperts]:
+def shard_experts(model: nn.Module, backend: Backend, ep_mesh: DeviceMesh) -> list[ExpertParallelExperts]:
     """Replace every experts module of ``model`` by an :class:`ExpertParallelExperts` over ``ep_mesh`` (1-D),
     its expert parameters DTensors ``Shard(0)`` on it; returns the new modules (FSDP2 then shards them over the
     other mesh dimension). Every rank must hold the same full weights (a seeded build, or a checkpoint loaded
@@ -253,3 +165,36 @@ def shard_experts(model: nn.Module, backend: Backend, ep_mesh: Any) -> list[Expe
         setattr(parent, name, module)
         out.append(module)
     return out
+
+
+# Moved in 0.3.0 to polyrl.core.plugins.expert_exchange (the collectives part's default), where dispatch and combine
+# take the all-to-all function; the old names keep the 0.2 signatures (a backend first) for one more release.
+def _old_dispatch(backend: Backend, *args: Any, **kwargs: Any) -> Any:
+    from polyrl.core.plugins.expert_exchange import dispatch
+
+    return dispatch(backend.collectives.all_to_all, *args, **kwargs)
+
+
+def _old_combine(backend: Backend, *args: Any, **kwargs: Any) -> Any:
+    from polyrl.core.plugins.expert_exchange import combine
+
+    return combine(backend.collectives.all_to_all, *args, **kwargs)
+
+
+def _old_all_to_all_rows(backend: Backend, *args: Any, **kwargs: Any) -> Any:
+    from polyrl.core.plugins.expert_exchange import all_to_all_rows
+
+    return all_to_all_rows(backend.collectives.all_to_all, *args, **kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    from polyrl.core.plugins import expert_exchange
+
+    old = {"ExpertDispatch": expert_exchange.ExpertDispatch, "dispatch": _old_dispatch, "combine": _old_combine,
+           "all_to_all_rows": _old_all_to_all_rows}
+    if name not in old:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"polyrl.core.distributed.expert_parallel.{name} is deprecated and will be removed in polyrl "
+                  f"0.4.0; use polyrl.core.plugins.expert_exchange.{name} (or backend.collectives)",
+                  DeprecationWarning, stacklevel=2)
+    return old[name]

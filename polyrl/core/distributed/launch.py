@@ -298,11 +298,15 @@ class _PeerWatch(threading.Thread):
     """
 
     # A peer that ends because the run is being stopped (torchrun's agent sends SIGTERM to every worker
-    # when it is signalled) is no failure of that peer: this rank got the same signal and stops on its own
-    # path ("stopped by ..."). Python runs the handler only when the main thread next executes bytecode,
-    # which it may not do while it waits in a collective, so the thread learns of the signal from the
-    # interpreter's C-level wakeup fd, written the moment the signal arrives.
-    GRACE_S = 0.25  # after a peer is found gone, how long a stop signal to this rank may still be on its way
+    # when it is signalled; a scheduler signals every process) is no failure of that peer: this rank got the
+    # same signal and stops on its own path ("stopped by ..."). But the agent also SIGTERMs the survivors
+    # when a worker *fails*, a moment after (its monitor interval, 0.1 s): then the peer's end is the cause.
+    # Which came first is read from one poll over the peers' pidfds and the interpreter's C-level wakeup fd
+    # (written the moment a signal arrives, even while the main thread waits in a collective): the kernel
+    # fills poll's ready list when the thread wakes, so the answer does not depend on when this thread next
+    # gets the GIL. A peer whose end is seen with no stop signal in that list ended first. A stopped peer
+    # needs tens of milliseconds to exit after its signal, which this rank got at the same moment.
+    GRACE_S = 0.25  # no pidfd (not Linux): after a peer is found gone, how long a stop signal may still come
     STOPPING_S = 3.0  # signalled, and a peer gone: the main thread may wait in a collective that can never
     # finish (NCCL would wait for its timeout); past this the watch ends the process with the stop's code
 
@@ -312,6 +316,8 @@ class _PeerWatch(threading.Thread):
         self.armed = threading.Event()
         self.armed.set()
         self.signalled: int | None = None  # the stop signal that reached this process
+        self.first: tuple[int, int] | None = None  # (rank, pid) of a peer that ended before any stop signal
+        self.decided = threading.Event()  # set once a peer's end has been judged (``first`` says how)
         self._sig_r, self._sig_w, self._prev_wakeup = -1, -1, None
         if threading.current_thread() is threading.main_thread():
             self._sig_r, self._sig_w = os.pipe()
@@ -340,31 +346,58 @@ class _PeerWatch(threading.Thread):
                 signal.set_wakeup_fd(self._prev_wakeup)
             self._prev_wakeup = None
 
+    def _wait(self, poller: object | None, pidfds: Mapping[int, tuple[int, int]]) -> tuple[set[int] | None, bool]:
+        """Sleep until a peer ends, a signal comes or 0.2 s pass. Returns the fds the kernel found ready
+        (None without a poller) and whether a stop signal was among them."""
+        if poller is None:
+            time.sleep(0.2)
+            return None, False
+        ready = {fd for fd, _ in poller.poll(200)}  # type: ignore[attr-defined]
+        return ready, self._sig_r in ready
+
+    def _judge(self, ready: set[int] | None, signal_seen: bool,
+               pidfds: Mapping[int, tuple[int, int]]) -> tuple[int, int] | None:
+        """The peer that ended first, or None (no peer gone, or this rank is being stopped)."""
+        ended = sorted(pidfds[fd] for fd in (ready or ()) if fd in pidfds)
+        if ended and not signal_seen:
+            return ended[0]  # its end came before any stop signal (one kernel snapshot)
+        if ended or self._drain_signals():
+            return None  # a stop signal came with or before the peer's end: this rank is being stopped
+        watched = set(pidfds.values())  # the others' ends come through poll
+        found = next(((r, p) for r, p in sorted(self.peers.items()) if (r, p) not in watched and not _alive(p)),
+                     None)  # a peer without a pidfd
+        if found is None:
+            return None
+        deadline = time.monotonic() + self.GRACE_S
+        while time.monotonic() < deadline and not self._drain_signals():
+            time.sleep(0.02)
+        return None if self._drain_signals() else found
+
     def run(self) -> None:
-        fds = []
-        if hasattr(os, "pidfd_open"):
-            for pid in self.peers.values():
-                with contextlib.suppress(OSError):
-                    fds.append(os.pidfd_open(pid))
         import select
 
-        fds += [self._sig_r] if self._sig_r >= 0 else []
+        pidfds: dict[int, tuple[int, int]] = {}
+        if hasattr(os, "pidfd_open"):
+            for rank, pid in self.peers.items():
+                with contextlib.suppress(OSError):
+                    pidfds[os.pidfd_open(pid)] = (rank, pid)
+        fds = [*pidfds, *([self._sig_r] if self._sig_r >= 0 else [])]
         poller = select.poll() if fds and hasattr(select, "poll") else None
         for fd in fds:
             poller.register(fd, select.POLLIN)  # type: ignore[union-attr]
-        while self.armed.is_set() and not self._drain_signals():
-            found = self.gone()
-            if found is not None:
-                deadline = time.monotonic() + self.GRACE_S
-                while time.monotonic() < deadline and not self._drain_signals():
-                    time.sleep(0.02)
-                if self.armed.is_set() and not self._drain_signals():
-                    stop_for_peer(self.rank, *found)
-            if poller is not None:
-                poller.poll(200)
-            else:
-                time.sleep(0.2)
-        while self.armed.is_set():  # stopping on a signal: the main thread says and does the rest
+        while self.armed.is_set():
+            ready, signal_seen = self._wait(poller, pidfds)
+            if not self.armed.is_set():
+                return
+            first = self._judge(ready, signal_seen, pidfds)
+            if first is not None:
+                self.first = first
+                self.decided.set()
+                stop_for_peer(self.rank, *first)
+            if self._drain_signals():
+                break
+        self.decided.set()  # stopping on a signal: a peer's end from here on is part of the same stop
+        while self.armed.is_set():  # the main thread says and does the rest
             if self.gone() is not None:
                 deadline = time.monotonic() + self.STOPPING_S
                 while self.armed.is_set() and time.monotonic() < deadline:
@@ -412,10 +445,27 @@ def unwatch_peers() -> None:
 
 def peer_gone() -> tuple[int, int] | None:
     """``(rank, pid)`` of a watched peer that has ended, or None (also when nothing is watched, and when
-    this rank itself is being stopped by a signal: then the peer's end is part of the same stop)."""
-    if _peer_watch is None or _peer_watch._drain_signals():
+    this rank itself is being stopped by a signal that came before the peer's end: then the peer's end is
+    part of the same stop)."""
+    if _peer_watch is None:
+        return None
+    if _peer_watch.first is not None:
+        return _peer_watch.first
+    if _peer_watch._drain_signals():
         return None
     return _peer_watch.gone()
+
+
+def peer_ended_first(wait_s: float = 1.0) -> tuple[int, int] | None:
+    """Main thread, stopping on a signal: ``(rank, pid)`` of a peer that ended *before* the signal came (the
+    agent SIGTERMs the survivors of a failed worker; that stop is the peer's failure), else None. When a peer
+    is gone the watch's verdict is waited for, ``wait_s`` at most: it may not have had the GIL yet."""
+    watch = _peer_watch
+    if watch is None:
+        return None
+    if watch.first is None and watch.gone() is not None:
+        watch.decided.wait(wait_s)
+    return watch.first
 
 
 # --- stopping on a signal ------------------------------------------------------------------------------
@@ -475,9 +525,11 @@ def _agent_main(args: Sequence[str]) -> int:
         run(parse_args(list(args)))
     except ChildFailedError as exc:
         # The first failure; timestamps are whole seconds, so among equals prefer one that is not a rank
-        # stopping because its peer had gone (the cause, not the consequence).
+        # stopping because its peer had gone or because this agent SIGTERMed it after another failed (the cause,
+        # not the consequence; seen under load: rank 0's 143 named instead of rank 1's SIGKILL).
+        consequences = (PEER_GONE_EXIT, 128 + signal.SIGTERM, -signal.SIGTERM)
         rank, failure = min(exc.failures.items(),
-                            key=lambda kv: (kv[1].timestamp, kv[1].exitcode == PEER_GONE_EXIT, kv[0]))
+                            key=lambda kv: (kv[1].timestamp, kv[1].exitcode in consequences, kv[0]))
         code = failure.exitcode
         if code != 2:  # bad input: the worker said it in one line already
             how = f"was killed by {failure.signal_name()}" if code < 0 else f"exited with code {code}"

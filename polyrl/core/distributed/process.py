@@ -21,7 +21,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from polyrl.core.plugins.backend import Backend
 
 OMP_DECIDED_ENV = "POLYRL_OMP_WAIT_DECIDED"
 BUSY_SAMPLE_S = 0.2
@@ -61,7 +64,7 @@ def apply_openmp_policy(*, choose_wait: bool = True, sample: Callable[[], float 
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 
 
-def pin_determinism(backend: Any) -> Callable[[], None]:
+def pin_determinism(backend: Backend) -> Callable[[], None]:
     """Same command, same metrics on the reference (CPU) backend, even on a loaded machine: deterministic
     algorithms (torch's CPU ``index_put_(accumulate=True)`` otherwise adds floats with racing atomics across
     threads, e.g. in the backward of the MoE expert-bias gather). Returns a function that restores the previous
@@ -90,6 +93,17 @@ def exit_if_a_peer_is_gone(wait_s: float = 1.0) -> None:
         if time.monotonic() >= deadline:
             return
         time.sleep(0.05)
+
+
+def exit_if_a_peer_ended_first() -> None:
+    """Stopping on a signal: if a watched peer ended before it came (torchrun's agent SIGTERMs the survivors of
+    a failed worker), the stop is that peer's failure: say so in one line and end this process."""
+    from polyrl.core import distributed as D
+    from polyrl.core.distributed import launch as L
+
+    first = L.peer_ended_first()
+    if first is not None:
+        L.stop_for_peer(D.get_rank(), *first)
 
 
 def end_process(rc: int, *, alone: bool = False) -> int:

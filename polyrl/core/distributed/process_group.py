@@ -36,7 +36,7 @@ class DistContext:
     rank: int
     world_size: int
     local_rank: int
-    device: Any
+    device: torch.device
     initialized: bool  # True when a process group was created by (or before) init_distributed
 
     @property
@@ -44,10 +44,10 @@ class DistContext:
         return self.rank == 0
 
 
-_comm_device: Any = None  # set by init_distributed from the backend: where collective buffers live
+_comm_device: torch.device | None = None  # set by init_distributed from the backend: where collective buffers live
 # Set by init_distributed from the backend (``Backend.collective_reduce_dtypes``): the torch dtypes its collective
 # library reduces; None: every dtype. Another dtype is reduced through a gather (``_all_reduce_by_gather_``).
-_reduce_dtypes: frozenset[Any] | None = None
+_reduce_dtypes: frozenset[torch.dtype] | None = None
 
 
 def under_torchrun(env: Mapping[str, str] | None = None) -> bool:
@@ -62,7 +62,7 @@ def apply_env_defaults(backend: Backend) -> dict[str, str]:
     Returns what was set. Must run before the device runtime and the collective library start.
     """
     applied: dict[str, str] = {}
-    for key, value in backend.sharding_policy().env_defaults.items():
+    for key, value in backend.placement.sharding_policy().env_defaults.items():
         if key not in os.environ:
             os.environ[key] = value
             applied[key] = value
@@ -83,12 +83,12 @@ def init_distributed(backend: Backend, *, timeout_s: float | None = None) -> Dis
         return DistContext(0, 1, 0, backend.bind_device(0), dist.is_available() and dist.is_initialized())
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    backend.check_world_size(world_size)
+    backend.placement.check_world_size(world_size)
     if not dist.is_available():
         raise BadInputError("this torch build has no torch.distributed; run without --nproc")
     # Bind the rank to its device first so the collective library does not guess.
     device = backend.bind_device(local_rank)
-    _comm_device = backend.comm_device(local_rank)
+    _comm_device = backend.collectives.comm_device(local_rank)
     _reduce_dtypes = reduce_dtypes(backend)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend.collective_backend, "rank": rank, "world_size": world_size}
@@ -96,7 +96,7 @@ def init_distributed(backend: Backend, *, timeout_s: float | None = None) -> Dis
             import datetime
 
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        kwargs.update(backend.process_group_options(local_rank))
+        kwargs.update(backend.collectives.process_group_options(local_rank))
         dist.init_process_group(**kwargs)
     return DistContext(rank, world_size, local_rank, device, True)
 
@@ -163,7 +163,7 @@ def shard_for_rank(items: Sequence[Any], rank: int | None = None, world_size: in
 
 
 # --- collectives ---------------------------------------------------------------------------------------
-def reduce_dtypes(backend: Backend) -> frozenset[Any] | None:
+def reduce_dtypes(backend: Backend) -> frozenset[torch.dtype] | None:
     """The torch dtypes ``backend``'s collective library reduces (None: all), from its declaration."""
     import torch
 

@@ -72,8 +72,8 @@ def check_placement(cfg: RunConfig, backend: Backend, world_size: int) -> None:
 def check_sharding(backend: Backend, world_size: int, settings: ShardingConfig) -> None:
     """Refuse the recipe's ``settings`` where the backend's policy cannot honour them, and world sizes its
     collective library refuses, with a message that says what to change."""
-    backend.check_world_size(world_size)
-    policy = backend.sharding_policy()
+    backend.placement.check_world_size(world_size)
+    policy = backend.placement.sharding_policy()
     if settings.cpu_offload and not policy.cpu_offload_supported:
         raise BadInputError(
             f"backend {backend.name!r} does not support sharding.cpu_offload "
@@ -142,7 +142,7 @@ def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig 
 
     world_size = dist.get_world_size()
     check_sharding(backend, world_size, settings)
-    policy = backend.sharding_policy()
+    policy = backend.placement.sharding_policy()
     kwargs = {
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=torch_dtype(policy.param_dtype, what=f"backend {backend.name!r} sharding policy param_dtype"),

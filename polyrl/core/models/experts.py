@@ -21,10 +21,11 @@ emulator can refuse what the emulated device lacks only for that backend's kerne
 from __future__ import annotations
 
 import contextvars
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 NAME = "polyrl"
 _running: contextvars.ContextVar[str | None] = contextvars.ContextVar("polyrl_experts_backend", default=None)
@@ -35,17 +36,17 @@ def running_backend() -> str | None:
     return _running.get()
 
 
-def polyrl_experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def polyrl_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers' experts forward for ``"polyrl"``: the bound backend's ``experts`` (the process's active
-    backend for a model never bound, as for attention)."""
+    """transformers' experts forward for ``"polyrl"``: the bound backend's ``experts`` (``default_backend()`` for
+    a model never bound, as for attention)."""
     from polyrl.core.attention.hf import bound_backend
 
     backend = bound_backend(module)
     if backend is None:
-        from polyrl.core.plugins.selection import get_active_backend
+        from polyrl.core.plugins.selection import default_backend
 
-        backend = get_active_backend()
+        backend = default_backend()
     token = _running.set(backend.name)
     try:
         return backend.experts(module, hidden_states, top_k_index, top_k_weights)
@@ -53,7 +54,7 @@ def polyrl_experts_forward(module: Any, hidden_states: torch.Tensor, top_k_index
         _running.reset(token)
 
 
-def reference_experts(module: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+def reference_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The reference experts kernel: transformers' ``grouped_mm`` path (sort by expert, torch's grouped matmul,
     its own fallback where torch has none) — what a model built without ``"polyrl"`` runs by default, so the

@@ -25,13 +25,18 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrl.core.config import RunConfig
-from polyrl.core.data.packing import micro_batch_token_bound
+from polyrl.core.data.packing import micro_batch_token_bound, packs_documents
+from polyrl.core.dtypes import compute_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.models.lm_head import uses_fused_logprobs
-from polyrl.core.plan.rollout import SHARE_ROW, WEIGHTS_ROW, vllm_plan
+from polyrl.core.plan.rollout import vllm_plan
+from polyrl.core.plan.rows import KNOBS, LABELS, PlanRows
+
+if TYPE_CHECKING:
+    from polyrl.core.plugins.backend import Backend
 
 GIB = 2**30
 # Fraction of a device's memory the plan lets a run use: the rest is the runtime's context, the collective
@@ -221,7 +226,7 @@ class MemoryPlan:
     attention: str
     logprob_path: str
     params: dict[str, int]  # model -> parameter count
-    rows: dict[str, float]  # item -> GiB per device
+    rows: PlanRows  # item -> GiB per device
     phases: dict[str, float]  # phase -> GiB per device at its peak
     notes: list[str]
     # why the rollout engine cannot start whatever the rest holds (vLLM: its own weights overflow its share)
@@ -243,7 +248,7 @@ class MemoryPlan:
         out = dataclasses.asdict(self)
         out.update(peak_gib=round(self.peak_gib, 3), usable_gib=round(self.usable_gib, 3), fits=self.fits,
                    headroom=HEADROOM)
-        out["rows"] = {k: round(v, 3) for k, v in self.rows.items()}
+        out["rows"] = {k: round(v, 3) for k, v in self.rows.items()}  # label -> GiB, in the printed order
         out["phases"] = {k: round(v, 3) for k, v in self.phases.items()}
         return out
 
@@ -273,38 +278,20 @@ class MemoryPlan:
             return f"memory plan: {self.engine_problem}"
         need = self.peak_gib
         # Sharded state shrinks with the world size; what does not (activations, gathered layers, rollout) stays.
-        state = sum(self.rows[k] for k in _SHARDED if k in self.rows) if self.sharded or self.world_size == 1 else 0.0
+        state = self.rows.sharded_gib() if self.sharded or self.world_size == 1 else 0.0
         fixed = need - state
         tips = []
         if state > 0 and fixed < self.usable_gib:
             devices = math.ceil(state * self.world_size / (self.usable_gib - fixed))
             tips.append(f"use at least {devices} devices (--nproc/--nnodes)")
-        biggest = max((k for k in self.rows if k not in _SHARDED), key=lambda k: self.rows[k])
-        tips.append(f"shrink the largest item '{biggest}' ({self.rows[biggest]:.1f} GiB: "
-                    f"{_KNOB.get(biggest, 'the plan above shows what each row counts')})")
+        biggest = self.rows.largest_fixed()
+        tips.append(f"shrink the largest item '{LABELS[biggest]}' ({getattr(self.rows, biggest):.1f} GiB: "
+                    f"{KNOBS.get(biggest, 'the plan above shows what each row counts')})")
         return (f"memory plan: needs {need:.1f} GiB per device, {self.usable_gib:.1f} GiB usable on "
                 f"{self.device} ({self.backend}) with {self.world_size} device(s): " + "; or ".join(tips))
 
 
-_SHARDED = ("parameters", "gradients", "optimizer state (2 Adam states)", "reference model",
-            "critic (params+grads+optimizer)")
-_KNOB = {
-    "activations (one micro-batch)": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens"
-                                     " (a sequence longer than the budget is a micro-batch of its own)",
-    "critic activations": "set trainer.activation_checkpointing=true or lower algorithm.micro_batch_tokens",
-    "log-prob path (logits)": "set model.fused_logprobs=auto or lower algorithm.micro_batch_tokens",
-    "rollout KV cache": "set rollout.micro_batch_size",
-    SHARE_ROW: "set rollout.engine=hf (generation on the trainer's model) or add devices",
-    WEIGHTS_ROW: "set rollout.engine=hf (generation on the trainer's model) or use devices with more memory",
-    "rollout prefill logits": "set rollout.micro_batch_size or lower data.max_prompt_length",
-    "gathered layers (FSDP2)": "keep sharding.reshard_after_forward=true; an MoE layer that does not fit gathered "
-                               "needs sharding.expert_parallel (each rank gathers only its share of the experts)",
-    "expert all-to-all buffers": "lower algorithm.micro_batch_tokens",
-    "reference model": "turn the KL terms off or add devices",
-}
-
-
-def _rollout_engine(cfg: RunConfig, backend: Any) -> tuple[str, str]:
+def _rollout_engine(cfg: RunConfig, backend: Backend) -> tuple[str, str]:
     """(engine, note): the engine the trainer would run (``resolve_engine``, its own rule). A plan may be made
     where the backend's hardware or the engine's package is absent: a named engine that cannot run here is
     planned anyway (said in the note), an unknown one is refused as the trainer refuses it."""
@@ -314,7 +301,7 @@ def _rollout_engine(cfg: RunConfig, backend: Any) -> tuple[str, str]:
     try:
         engine = resolve_engine(requested, backend)
     except BadInputError as exc:
-        declared = tuple(getattr(backend, "rollout_engines", ()))
+        declared = tuple(backend.rollout_engines)
         fallback = requested if requested != "auto" else (declared[0] if declared else "")
         if fallback not in engine_names():
             raise
@@ -323,7 +310,25 @@ def _rollout_engine(cfg: RunConfig, backend: Any) -> tuple[str, str]:
     return engine, f"rollout engine {engine} (rollout.engine={requested}: {how})"
 
 
-def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1,
+@dataclasses.dataclass(frozen=True)
+class _Sizes:
+    """What every item of the plan is computed from: the world, the dtypes' bytes, the architecture."""
+
+    world: int
+    sharded: bool
+    offload: bool
+    ep: int
+    s: int  # bytes of the storage dtype (model.dtype): parameters, gradients, optimizer states
+    c: int  # bytes of the compute dtype (polyrl.core.dtypes.compute_dtype)
+    red: int  # bytes of the gradient reduction dtype
+    tokens: int  # one micro-batch's token bound (the trainer's packing rule)
+    longest: int  # the longest sequence: prompt + response
+
+    def share(self, n: int) -> float:
+        return math.ceil(n / self.world) if self.sharded else n
+
+
+def plan_memory(cfg: RunConfig, backend: Backend, *, nproc: int = 1, nnodes: int = 1,
                 device_memory_gib: float | None = None, vocab_size: int | None = None) -> MemoryPlan:
     """The per-device memory plan of ``cfg`` on ``backend`` with ``nproc`` processes on each of ``nnodes``
     nodes. ``device_memory_gib`` overrides the backend's table; ``vocab_size`` is the tiny tokenizer's size
@@ -334,13 +339,13 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     if device_memory_gib is not None:
         device, capacity = "given", float(device_memory_gib)
     else:
-        device, capacity = backend.device_memory_gib(local_world_size=nproc)
+        device, capacity = backend.placement.device_memory_gib(local_world_size=nproc)
     if capacity <= 0:
         raise BadInputError(f"device memory must be > 0 GiB, got {capacity}")
-    policy = backend.sharding_policy()
+    policy = backend.placement.sharding_policy()
     sharded = world > 1 and cfg.sharding.enabled
     s = _DTYPE_BYTES[cfg.model.dtype]  # storage: parameters, gradients, optimizer states
-    c = _DTYPE_BYTES.get(policy.param_dtype, s) if sharded else s  # compute (FSDP2 mixed precision)
+    c = _DTYPE_BYTES.get(compute_dtype(cfg.model.dtype, policy.param_dtype, sharded=sharded), s)
     red = _DTYPE_BYTES.get(policy.reduce_dtype, 4) if sharded else s
     overrides = dict(cfg.model.overrides)
     if vocab_size is not None:
@@ -350,24 +355,11 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         config.pad_token_id = 0  # as the trainer does for a task's tiny vocabulary
     actor_model = meta_model(config)
     actor = count_parameters(config, model=actor_model)
-    alg, ro, data = cfg.algorithm, cfg.rollout, cfg.data
     notes = [f"architecture from {source}"] if not source.startswith("model.name") else [source]
     engine, engine_note = _rollout_engine(cfg, backend)
     notes.append(engine_note)
     if config.model_type not in ("gpt_oss", "deepseek_v3"):
         notes.append(f"activations of {config.model_type}: a generic dense-decoder estimate (not measured)")
-
-    def share(n: int) -> float:
-        return math.ceil(n / world) if sharded else n
-
-    offload = cfg.sharding.cpu_offload and sharded
-    params = {"actor": actor.total}
-    state_bytes = 0.0 if offload else share(actor.total) * s * 4  # params + grads + 2 Adam states
-    rows: dict[str, float] = {}
-    rows["parameters"] = 0.0 if offload else share(actor.total) * s / GIB
-    rows["gradients"] = rows["parameters"]
-    rows["optimizer state (2 Adam states)"] = 2 * rows["parameters"]
-    rows["master weights"] = 0.0  # the sharded parameters are the master copy (no separate one)
     ep = cfg.sharding.expert_parallel if sharded else 1
     if ep > 1:
         if not actor.num_experts:
@@ -377,39 +369,80 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
                                 f"({actor.num_experts}) and the world size ({world})")
         notes.append(f"expert parallelism: groups of {ep} ranks, {actor.num_experts // ep} of {actor.num_experts} "
                      f"experts per device and MoE layer, FSDP2 over {world // ep} for the experts")
+    longest = cfg.data.max_prompt_length + cfg.rollout.max_response_length
+    z = _Sizes(world=world, sharded=sharded, offload=cfg.sharding.cpu_offload and sharded, ep=ep, s=s, c=c, red=red,
+               tokens=micro_batch_token_bound(cfg.algorithm.micro_batch_tokens, longest), longest=longest)
+
+    params, state, static, critic_cfg = _state_rows(cfg, config, actor, overrides, z)
+    lora_extra: dict[str, float] = {}
+    if cfg.model.lora.enabled:  # frozen base, fp32 adapters, no reference copy (polyrl.core.plan.lora)
+        from polyrl.core.plan.lora import lora_rows
+
+        lora_extra, static = lora_rows(cfg, actor_model, actor.layers, state, params, engine, world, sharded, s, c,
+                                       notes)
+    update, attention, logprob_path = _update_rows(cfg, backend, config, actor_model, critic_cfg, z, notes)
+    rollout, engine_problem = _rollout_rows(cfg, backend, engine, config, actor, state["gathered_layers"],
+                                            capacity, z, notes)
+    rows = PlanRows(**state, **update, **rollout.rows, **lora_extra)
+    return MemoryPlan(
+        backend=backend.name, device=device, device_memory_gib=capacity, nproc=nproc, nnodes=nnodes,
+        world_size=world, sharded=sharded, engine=engine,
+        architecture=f"{config.model_type}, {actor.layers} layers, vocab {config.vocab_size}"
+        + (", activation checkpointing" if cfg.trainer.activation_checkpointing else ""),
+        attention=attention, logprob_path=logprob_path, params=params, rows=rows,
+        phases=_phases(rows, static, rollout, z, critic=critic_cfg is not None), notes=notes,
+        engine_problem=engine_problem,
+    )
+
+
+def _state_rows(cfg: RunConfig, config: Any, actor: ModelCount, overrides: dict, z: _Sizes,
+                ) -> tuple[dict[str, int], dict[str, float], float, Any]:
+    """(parameter counts, the state rows in GiB, the GiB held through the whole step, the critic's config or
+    None): the actor's parameters, gradients and Adam states, the reference model, the critic, FSDP2's gathered
+    layers."""
+    params = {"actor": actor.total}
+    state_bytes = 0.0 if z.offload else z.share(actor.total) * z.s * 4  # params + grads + 2 Adam states
+    rows: dict[str, float] = {}
+    rows["parameters"] = 0.0 if z.offload else z.share(actor.total) * z.s / GIB
+    rows["gradients"] = rows["parameters"]
+    rows["optimizer_state"] = 2 * rows["parameters"]
     gathered = 0.0
-    if sharded:
+    if z.sharded:
         layers_held = actor.layers if not cfg.sharding.reshard_after_forward else 2
         # with expert parallelism a rank gathers only its own experts (FSDP2 over world / ep)
-        layer = actor.gathered_layer(ep)
-        gathered = (actor.root + layers_held * layer) * c
+        layer = actor.gathered_layer(z.ep)
+        gathered = (actor.root + layers_held * layer) * z.c
         # gradients of a layer in backward before their reduce-scatter (compute dtype + the reduce dtype)
-        gathered += layer * (c + red)
+        gathered += layer * (z.c + z.red)
     ref_bytes = 0.0
-    if alg.use_kl_in_reward or alg.use_kl_loss:
+    if cfg.algorithm.use_kl_in_reward or cfg.algorithm.use_kl_loss:
         params["reference"] = actor.total
-        ref_bytes = 0.0 if offload else share(actor.total) * s
+        ref_bytes = 0.0 if z.offload else z.share(actor.total) * z.s
     critic_state = 0.0
     critic_cfg = None
-    if alg.adv_estimator == "gae":
+    if cfg.algorithm.adv_estimator == "gae":
         name = cfg.model.critic_name or cfg.model.name
         critic_cfg, _ = architecture_config(cfg, name, {**overrides, **cfg.model.critic_overrides})
         if getattr(critic_cfg, "pad_token_id", None) is not None and critic_cfg.pad_token_id >= critic_cfg.vocab_size:
             critic_cfg.pad_token_id = 0
         critic = count_parameters(critic_cfg, lm_head=False)
         params["critic"] = critic.total
-        critic_state = 0.0 if offload else share(critic.total) * s * 4
-    rows["reference model"] = ref_bytes / GIB
-    rows["critic (params+grads+optimizer)"] = critic_state / GIB
-    rows["gathered layers (FSDP2)"] = gathered / GIB
-    state_total = state_bytes + ref_bytes + critic_state
+        critic_state = 0.0 if z.offload else z.share(critic.total) * z.s * 4  # params + grads + 2 Adam states
+    rows["reference_model"] = ref_bytes / GIB
+    rows["critic_state"] = critic_state / GIB
+    rows["gathered_layers"] = gathered / GIB
+    return params, rows, (state_bytes + ref_bytes + critic_state) / GIB, critic_cfg
 
-    # --- the update: activations of one micro-batch and the log-prob path ---
-    native = "varlen_attention" in backend.provided_kernels() and cfg.model.attn_implementation == "polyrl"
+
+def _update_rows(cfg: RunConfig, backend: Backend, config: Any, actor_model: Any, critic_cfg: Any, z: _Sizes,
+                 notes: list[str]) -> tuple[dict[str, float | None], str, str]:
+    """(the update's rows in GiB, the attention line, the log-prob path line): activations of one micro-batch,
+    the log-prob path, the expert exchange's buffers, the critic's activations."""
+    packed = packs_documents(cfg.model.attn_implementation)
+    native = "varlen_attention" in backend.introspection.provided_kernels() and packed
     attention = (f"polyrl ({'native kernel of ' + backend.name if native else 'exact reference'})"
-                 if cfg.model.attn_implementation == "polyrl" else cfg.model.attn_implementation)
-    longest = data.max_prompt_length + ro.max_response_length
-    tokens = micro_batch_token_bound(alg.micro_batch_tokens, longest)  # the trainer's packing rule
+                 if packed else cfg.model.attn_implementation)
+    c, tokens, longest = z.c, z.tokens, z.longest
     per_layer = [activation_bytes_per_token(config, kind, c, native) for kind in _layer_types(config)]
     ckpt = cfg.trainer.activation_checkpointing
     if ckpt:  # only each layer's input stays saved; one layer at a time is recomputed in backward
@@ -417,13 +450,13 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
     else:
         act = sum(per_layer) * tokens
     act += tokens * config.hidden_size * (2 * c + 8)  # embeddings output, final norm (input, fp32 pair)
-    if cfg.model.attn_implementation not in ("polyrl",):
-        # eager / sdpa: [Hq, S, S] scores and probabilities per sequence, each layer
+    if not packed:
+        # eager / sdpa: padded rows, [Hq, S, S] scores and probabilities per sequence, each layer
         seqs = max(1, tokens // longest)
         act += config.num_hidden_layers * seqs * config.num_attention_heads * longest**2 * (c + 4)
         notes.append(f"attention {cfg.model.attn_implementation}: quadratic scores counted per layer")
     V = config.vocab_size
-    response_tokens = tokens * ro.max_response_length / longest
+    response_tokens = tokens * cfg.rollout.max_response_length / longest
     chunk = cfg.trainer.logprob_chunk_size
     # model.fused_logprobs: the trainer's own rule, on the meta-device model (a refused "true" is refused here too)
     if uses_fused_logprobs(cfg.model.fused_logprobs, actor_model):
@@ -438,72 +471,81 @@ def plan_memory(cfg: RunConfig, backend: Any, *, nproc: int = 1, nnodes: int = 1
         # gradient and the [T, V] gradient of the logits, plus one fp32 [chunk, V] block
         logits = (tokens * V + 2 * response_tokens * V) * c + chunk * V * 4
         logprob_path = f"full logits [T, V] + chunked fp32 log-prob ({chunk} rows)"
-    rows["activations (one micro-batch)"] = act / GIB
-    if ep > 1:
+    rows: dict[str, float | None] = {"activations": act / GIB}
+    if z.ep > 1:
         # One MoE layer's exchange at a time: its k rows per token sorted for sending, received, grouped by local
         # expert, and the expert outputs on their way back; at balanced routing a rank receives as many rows as
         # it sends (an unbalanced router sends some rank more: up to ep times as many).
         k = int(getattr(config, "num_experts_per_tok", 1) or 1)
-        rows["expert all-to-all buffers"] = 4 * tokens * k * config.hidden_size * c / GIB
+        rows["expert_buffers"] = 4 * tokens * k * config.hidden_size * c / GIB
         notes.append("expert all-to-all buffers: at balanced routing (one rank receives tokens x k rows per MoE "
                      "layer); an unbalanced router sends a rank more")
-    rows["log-prob path (logits)"] = logits / GIB
+    rows["logprob_path"] = logits / GIB
     if critic_cfg is not None:  # the critic's update runs before the actor's: its own activations, no logits
         crit = [activation_bytes_per_token(critic_cfg, k, c, native) for k in _layer_types(critic_cfg)]
         crit_act = (len(crit) * critic_cfg.hidden_size * c + max(crit)) if ckpt else sum(crit)
-        rows["critic activations"] = crit_act * tokens / GIB
+        rows["critic_activations"] = crit_act * tokens / GIB
+    return rows, attention, logprob_path
 
-    # --- the rollout ---
-    resident = 0.0  # what the rollout engine keeps on the device while the trainer updates
-    engine_problem = ""
+
+@dataclasses.dataclass
+class _Rollout:
+    rows: dict[str, float]  # PlanRows fields in GiB
+    awake_gib: float  # what generation adds on the device
+    resident_gib: float  # what the engine keeps on the device while the trainer updates
+
+
+def _rollout_rows(cfg: RunConfig, backend: Backend, engine: str, config: Any, actor: ModelCount, gathered: float,
+                  capacity: float, z: _Sizes, notes: list[str]) -> tuple[_Rollout, str]:
+    """(the rollout's rows and what it holds awake and asleep, why the engine cannot start or "")."""
+    ro, data = cfg.rollout, cfg.data
+    V = config.vocab_size
     if engine == "hf":  # the trainer's model generates: KV cache and logits of the sequences generated together
-        per_device = math.ceil(data.batch_size / world) * ro.n
+        per_device = math.ceil(data.batch_size / z.world) * ro.n
         together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
         kv = 0.0
-        for kind, per_token in kv_cache_bytes_per_token(config, c):
-            held = (min(longest, config.sliding_window) if kind == "sliding" and getattr(config, "sliding_window", None)
-                    else longest)
+        for kind, per_token in kv_cache_bytes_per_token(config, z.c):
+            held = (min(z.longest, config.sliding_window)
+                    if kind == "sliding" and getattr(config, "sliding_window", None) else z.longest)
             kv += together * held * per_token
-        rows["rollout KV cache"] = kv / GIB
-        rows["rollout prefill logits"] = together * (data.max_prompt_length * V * c + 3 * V * 4) / GIB
+        kv_gib = kv / GIB
+        logits_gib = together * (data.max_prompt_length * V * z.c + 3 * V * 4) / GIB
         notes.append(f"rollout: {together} sequences generated together per device "
                      f"({per_device} per step; rollout.micro_batch_size bounds it)")
-        rollout = rows["gathered layers (FSDP2)"] + rows["rollout KV cache"] + rows["rollout prefill logits"]
-    elif engine == "vllm":  # its own weights inside its share of the device (polyrl.core.plan.rollout)
-        vllm = vllm_plan(backend, params=actor.total, dtype_bytes=s, capacity_gib=capacity,
-                         kv_bytes_per_token=kv_cache_bytes_per_token(config, s),
-                         window=getattr(config, "sliding_window", None), longest=longest)
-        rows.update(vllm.rows)
+        rows = {"rollout_kv_cache": kv_gib, "rollout_prefill_logits": logits_gib}
+        return _Rollout(rows, gathered + kv_gib + logits_gib, 0.0), ""
+    if engine == "vllm":  # its own weights inside its share of the device (polyrl.core.plan.rollout)
+        vllm = vllm_plan(backend, params=actor.total, dtype_bytes=z.s, capacity_gib=capacity,
+                         kv_bytes_per_token=kv_cache_bytes_per_token(config, z.s),
+                         window=getattr(config, "sliding_window", None), longest=z.longest)
         notes.append(vllm.note)
-        rollout, resident, engine_problem = vllm.awake_gib, vllm.asleep_gib, vllm.problem
-    else:  # an engine of its own (a plugin's): what it reserves of the device, as its backend configures it
-        options = backend.rollout_engine_options(engine)
-        fraction = options.get("gpu_memory_utilization")
-        reserved = float(fraction) * capacity if fraction else 0.0
-        rows[SHARE_ROW] = reserved
-        notes.append(f"rollout engine {engine}: " + (
-            f"reserves {fraction:g} of the device (weights + KV cache)" if fraction else
-            "sizes its own memory (not counted here)"))
-        if not options.get("sleep_level"):  # an engine that never sleeps keeps its memory through the update
-            resident = reserved
-        rollout = reserved
+        rows = {"engine_weights": vllm.weights_gib, "engine_reserved": vllm.share_gib}
+        return _Rollout(rows, vllm.awake_gib, vllm.asleep_gib), vllm.problem
+    # an engine of its own (a plugin's): what it reserves of the device, as its backend configures it
+    options = backend.engines.rollout_engine_options(engine)
+    fraction = options.get("gpu_memory_utilization")
+    reserved = float(fraction) * capacity if fraction else 0.0
+    notes.append(f"rollout engine {engine}: " + (
+        f"reserves {fraction:g} of the device (weights + KV cache)" if fraction else
+        "sizes its own memory (not counted here)"))
+    # an engine that never sleeps keeps its memory through the update
+    resident = reserved if not options.get("sleep_level") else 0.0
+    return _Rollout({"engine_reserved": reserved}, reserved, resident), ""
 
-    static = state_total / GIB
+
+def _phases(rows: PlanRows, static: float, rollout: _Rollout, z: _Sizes, *, critic: bool) -> dict[str, float]:
+    """phase -> GiB per device at its peak: ``static`` (the state held through the step) plus what the phase
+    adds."""
+    resident = rollout.resident_gib
+    buffers = rows.expert_buffers or 0.0
     phases = {
-        "rollout": static - rows["gradients"] * (not offload) + rollout,
-        "update": static + rows["gathered layers (FSDP2)"] + rows["activations (one micro-batch)"]
-        + rows["log-prob path (logits)"] + resident + rows.get("expert all-to-all buffers", 0.0),
+        "rollout": static - rows.gradients * (not z.offload) + rollout.awake_gib + (rows.lora_merged_weights or 0.0),
+        "update": static + rows.gathered_layers + rows.activations + rows.logprob_path + resident + buffers
+        + (rows.lora_expert_weights or 0.0),
     }
-    # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq)
-    phases["optimizer step"] = static + rows["parameters"] + resident
-    if critic_cfg is not None:
-        phases["critic update"] = (static + rows["gathered layers (FSDP2)"] + rows["critic activations"] + resident
-                                   + rows.get("expert all-to-all buffers", 0.0))
-    return MemoryPlan(
-        backend=backend.name, device=device, device_memory_gib=capacity, nproc=nproc, nnodes=nnodes,
-        world_size=world, sharded=sharded, engine=engine,
-        architecture=f"{config.model_type}, {actor.layers} layers, vocab {V}"
-        + (", activation checkpointing" if ckpt else ""),
-        attention=attention, logprob_path=logprob_path, params=params, rows=rows, phases=phases, notes=notes,
-        engine_problem=engine_problem,
-    )
+    # torch's foreach Adam(W) step holds one temporary the size of the parameters it updates (sqrt of exp_avg_sq):
+    # the gradients' size (all parameters; with LoRA the adapters only)
+    phases["optimizer step"] = static + rows.gradients + resident
+    if critic:
+        phases["critic update"] = static + rows.gathered_layers + (rows.critic_activations or 0.0) + resident + buffers
+    return phases

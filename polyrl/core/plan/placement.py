@@ -7,17 +7,23 @@ all-to-all), skipping the world sizes a run refuses (``check_placement``: the ba
 ``data.batch_size`` in equal shares), planning each with :func:`polyrl.core.plan.memory.plan_memory`, and returns the first that fits.
 When none fits up to ``max_nodes``, it names what does not shrink with more devices (activations, gathered
 layers, the rollout's buffers) and by how much it exceeds the device.
+
+A recipe whose ``sharding.expert_parallel`` a run refuses on N devices (it does not divide N) is planned at the
+nearest ep that it accepts there (:func:`nearest_expert_parallel`), then the same search runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from polyrl.core.config import RunConfig
 from polyrl.core.distributed.sharding import check_placement
 from polyrl.core.errors import BadInputError
-from polyrl.core.plan.memory import _SHARDED, MemoryPlan, architecture_config, count_parameters, plan_memory
+from polyrl.core.plan.memory import MemoryPlan, architecture_config, count_parameters, plan_memory
+
+if TYPE_CHECKING:
+    from polyrl.core.plugins.backend import Backend
 
 MAX_NODES = 128
 
@@ -64,11 +70,11 @@ def expert_parallel_sizes(world: int, num_experts: int) -> list[int]:
 def blocking_items(plan: MemoryPlan) -> list[str]:
     """The items of the plan's peak phase that more devices do not shrink, largest first, and the excess."""
     phase = max(plan.phases, key=lambda k: plan.phases[k])
-    fixed = {k: v for k, v in plan.rows.items() if k not in _SHARDED and v > 0}
+    fixed = plan.rows.fixed()
     over = plan.peak_gib - plan.usable_gib
     items = ", ".join(f"{k} {v:.1f} GiB" for k, v in sorted(fixed.items(), key=lambda kv: -kv[1])[:4])
     lines = [f"peak phase {phase}: {over:.1f} GiB over the device; what more devices do not shrink: {items}"]
-    state = sum(plan.rows.get(k, 0.0) for k in _SHARDED)
+    state = plan.rows.sharded_gib()
     lines.append(f"sharded state left at {plan.world_size} devices: {state:.1f} GiB")
     return lines
 
@@ -77,7 +83,29 @@ def _with_ep(cfg: RunConfig, ep: int) -> RunConfig:
     return dataclasses.replace(cfg, sharding=dataclasses.replace(cfg.sharding, expert_parallel=ep))
 
 
-def find_placement(cfg: RunConfig, backend: Any, *, nproc: int, max_nodes: int = MAX_NODES,
+def nearest_expert_parallel(cfg: RunConfig, backend: Backend, world: int) -> RunConfig | None:
+    """When ``sharding.expert_parallel`` is what makes a run refuse ``world`` devices (it does not divide the world
+    size or the number of experts, or the backend refuses its groups): ``cfg`` with the nearest ep a run accepts
+    there (ties: the larger, fewer experts per device). None when the refusal is not the ep's (another ep would be
+    refused too) or the recipe asks for none."""
+    asked = cfg.sharding.expert_parallel
+    if asked <= 1:
+        return None
+    config, _ = architecture_config(cfg)
+    num_experts = count_parameters(config).num_experts
+    for ep in sorted(expert_parallel_sizes(world, num_experts), key=lambda ep: (abs(ep - asked), -ep)):
+        if ep == asked:
+            return None
+        placed = _with_ep(cfg, ep)
+        try:
+            check_placement(placed, backend, world)
+        except BadInputError:
+            continue
+        return placed
+    return None
+
+
+def find_placement(cfg: RunConfig, backend: Backend, *, nproc: int, max_nodes: int = MAX_NODES,
                    device_memory_gib: float | None = None, vocab_size: int | None = None) -> Placement:
     """The fewest nodes of ``nproc`` devices, then the smallest ep, whose memory plan fits (see the module
     docstring); when none does up to ``max_nodes``, the plan with the lowest peak there, with what blocks."""

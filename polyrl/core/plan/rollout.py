@@ -14,7 +14,10 @@ if not, vLLM cannot start, whatever the rest of the device holds.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from polyrl.core.plugins.backend import Backend
 
 GIB = 2**30
 VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default gpu_memory_utilization
@@ -24,19 +27,20 @@ SHARE_ROW = "rollout engine (reserved)"  # the same row as for any engine with a
 
 @dataclasses.dataclass
 class EnginePlan:
-    rows: dict[str, float]  # item -> GiB per device
+    weights_gib: float  # the engine's own weights per device (inside its share)
+    share_gib: float  # its share of the device while awake
     awake_gib: float  # what the engine holds on the device while it generates
     asleep_gib: float  # what it holds during the update
     problem: str  # why the engine itself cannot start ("" when it can)
     note: str
 
 
-def vllm_plan(backend: Any, *, params: int, dtype_bytes: int, capacity_gib: float,
+def vllm_plan(backend: Backend, *, params: int, dtype_bytes: int, capacity_gib: float,
               kv_bytes_per_token: list[tuple[str, float]], window: int | None, longest: int) -> EnginePlan:
     """What the vllm engine holds per device: ``params`` weights in the model's dtype, divided by its tensor
     parallel size; its share of the device; and the check that weights + the KV cache of one ``longest``
     sequence fit in the share (vLLM refuses to start otherwise)."""
-    options = backend.rollout_engine_options("vllm") or {}
+    options = backend.engines.rollout_engine_options("vllm") or {}
     util = options.get("gpu_memory_utilization") or VLLM_DEFAULT_UTILIZATION
     tp = int((options.get("llm_kwargs") or {}).get("tensor_parallel_size", 1))
     sleep_level = int(options.get("sleep_level", 0))
@@ -45,7 +49,6 @@ def vllm_plan(backend: Any, *, params: int, dtype_bytes: int, capacity_gib: floa
              for kind, per in kv_bytes_per_token) / tp / GIB
     share = util * capacity_gib
     # the weights live inside the share: the share is what the phases count, the weights what the check reads
-    rows = {WEIGHTS_ROW: weights, SHARE_ROW: share}
     problem = ""
     if weights + kv > share:
         problem = (f"the vllm engine's own weights ({weights:.1f} GiB at tensor parallel {tp}) and the KV cache of "
@@ -56,5 +59,5 @@ def vllm_plan(backend: Any, *, params: int, dtype_bytes: int, capacity_gib: floa
     note = (f"rollout: vllm engine with its own weights ({weights:.1f} GiB, tensor parallel {tp}) inside "
             f"{share:.1f} GiB ({util:g} of the device) while awake; " + (f"asleep (level {sleep_level}) during the update" if sleep_level
                                                 else "it keeps its share during the update (no sleep)"))
-    return EnginePlan(rows=rows, awake_gib=share, asleep_gib=0.0 if sleep_level else share, problem=problem,
+    return EnginePlan(weights_gib=weights, share_gib=share, awake_gib=share, asleep_gib=0.0 if sleep_level else share, problem=problem,
                       note=note)

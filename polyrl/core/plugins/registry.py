@@ -29,7 +29,8 @@ from typing import Any
 import pluggy
 
 from polyrl.core.plugins import hookspecs
-from polyrl.core.plugins.backend import Backend, one_line
+from polyrl.core.plugins.backend import Backend
+from polyrl.core.plugins.kernels import one_line
 
 ENTRY_POINT_GROUP = "polyrl.backends"
 ENTRY_POINT_GROUPS: tuple[str, ...] = (ENTRY_POINT_GROUP, "polyrl.plugins")

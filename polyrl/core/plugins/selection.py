@@ -6,6 +6,10 @@
 Two or more available accelerators without an explicit choice is an error naming them. A backend that is not an
 accelerator (the reference, a third-party CPU backend) is never picked implicitly: installing a CPU plugin does
 not change what a plain ``polyrl run`` uses.
+
+A run resolves its backend once (``resolve_backend``, the CLI) and binds it where its models are built; nothing on
+its path reads a process-wide backend. ``default_backend()`` answers only a call that names none (a script's
+``varlen_attention(q, k, v, cu)``, a model built without a backend): the rule's choice, resolved once per process.
 """
 
 from __future__ import annotations
@@ -51,24 +55,30 @@ def resolve_backend(name: str | None = None) -> Backend:
     return reference[0]
 
 
-def get_active_backend() -> Backend:
-    """The backend of this process: set by ``set_active_backend`` (the CLI) or chosen by the rule."""
+def default_backend() -> Backend:
+    """The backend of a call that names none: the selection rule's choice (or what ``set_active_backend`` pinned,
+    for a script or a test), resolved on the first such call and kept for the process."""
     global _active
     if _active is None:
         _active = resolve_backend()
     return _active
 
 
+# The 0.2 name (the CLI no longer sets it: a run passes its backend).
+get_active_backend = default_backend
+
+
 def backend_for(spec: Backend | str | None) -> Backend:
-    """A Backend from what an API accepts: None (the active backend), a name, or a Backend itself."""
+    """A Backend from what an API accepts: None (``default_backend()``), a name, or a Backend itself."""
     if spec is None:
-        return get_active_backend()
+        return default_backend()
     if isinstance(spec, str):
         return resolve_backend(spec)
     return spec
 
 
 def set_active_backend(name: str | None) -> Backend:
+    """Pin ``default_backend()`` to the backend ``name`` (resolved by the rule); returns it."""
     global _active
     _active = resolve_backend(name)
     return _active

@@ -18,6 +18,7 @@ tasks that score inline never pay for them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import multiprocessing
 import multiprocessing.pool
@@ -106,6 +107,26 @@ class _WatchedPool(multiprocessing.pool.Pool):
         return proc
 
 
+REAP_AFTER_S = 2.0  # how long Pool.terminate's SIGTERM is given before the workers still there are SIGKILLed
+
+
+def _reap(pool: _WatchedPool, done: threading.Event) -> None:
+    """SIGKILL the workers that outlive ``Pool.terminate``'s SIGTERM by REAP_AFTER_S. Terminating, the pool holds
+    its task queue's lock (so no worker can take a task) and its worker thread may still fork a replacement for a
+    dead worker; seen in the suite under load: such a worker sat blocked on that lock and terminate's join waited
+    for it forever. Whatever the interleaving, a worker still there after the SIGTERM is killed. Only workers the
+    pool has not reaped yet are signalled (their pid is not reused)."""
+    if done.wait(REAP_AFTER_S):
+        return
+    while not done.is_set():
+        for proc in list(pool.every_worker.values()):
+            popen = getattr(proc, "_popen", None)
+            if popen is not None and popen.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGKILL)
+        done.wait(0.5)
+
+
 class BoundedPool:
     """A lazily started pool of forked workers running reward calls under a time bound."""
 
@@ -127,8 +148,16 @@ class BoundedPool:
 
     def _drop(self) -> None:
         if self._pool is not None:
-            self._pool.terminate()
-            self._pool.join()
+            pool = self._pool
+            done = threading.Event()
+            reaper = threading.Thread(target=_reap, args=(pool, done), name="polyrl-reward-reaper", daemon=True)
+            reaper.start()
+            try:
+                pool.terminate()
+                pool.join()
+            finally:
+                done.set()
+                reaper.join()
             self._pool = None
         if self._started is not None:
             self._started.close()

@@ -6,10 +6,11 @@ from polyrl.core.rollout.engine import (
     SamplingParams,
     VerifiedEngine,
     build_engine,
+    choose_engine,
     engine_names,
     is_verified,
     resolve_engine,
 )
 
-__all__ = ["RolloutEngine", "RolloutOutput", "SamplingParams", "VerifiedEngine", "build_engine", "engine_names",
+__all__ = ["RolloutEngine", "RolloutOutput", "SamplingParams", "VerifiedEngine", "build_engine", "choose_engine", "engine_names",
            "is_verified", "resolve_engine"]

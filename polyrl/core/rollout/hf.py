@@ -10,11 +10,14 @@ stopped or ``max_tokens`` is reached.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from polyrl.core import distributed as D
+from polyrl.core.models.lora import merged_for_generation
+from polyrl.core.models.routing import replay_of
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
 from polyrl.core.rollout.sampling import next_uniforms, row_generators, sample_inverse_cdf
 
@@ -39,11 +42,16 @@ def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tenso
 
 class HFEngine:
     name = "hf"
+    # LoRA: generate with the adapters merged into the weights (one delta per weight per generate call instead
+    # of one per forward; polyrl.core.models.lora.merged_for_generation), the base weights restored exactly after.
+    merge_adapters = True
 
-    def __init__(self, model: Any, *, pad_token_id: int, **_options: Any) -> None:
-        # _options: what the trainer offers every engine (backend, max_model_len); the hf engine needs none
+    def __init__(self, model: Any, *, pad_token_id: int, return_routes: bool = False, **_options: Any) -> None:
+        # _options: what the trainer offers every engine (backend, max_model_len); the hf engine needs none.
+        # return_routes (rollout.routing_replay=r3): record the experts the routers chose, prefill and decode.
         self.model = model
         self.pad_token_id = int(pad_token_id)
+        self.return_routes = bool(return_routes)
 
     def sync_weights(self, model: Any) -> None:
         self.model = model  # shared weights: nothing to copy
@@ -69,12 +77,32 @@ class HFEngine:
         if row_seeds is None:
             row_seeds = torch.randint(0, 2**62, (len(prompts),), generator=generator).tolist()
         chunk = params.micro_batch_size or len(prompts)
-        out = RolloutOutput([], [], [])
-        for start in range(0, len(prompts), chunk):
-            part = self._generate_batch(prompts[start : start + chunk], params, row_seeds[start : start + chunk])
-            out.response_ids += part.response_ids
-            out.logprobs += part.logprobs
-            out.finish_reasons += part.finish_reasons
+        out = RolloutOutput([], [], [], [] if self.return_routes else None)
+        replay = replay_of(self.model)
+        # LoRA: merged once for the whole call (every chunk), the base weights put back exactly after
+        with merged_for_generation(self.model) if self.merge_adapters else contextlib.nullcontext():
+            for start in range(0, len(prompts), chunk):
+                # The routers' hooks (a model with routing replay installed) are told what this forward is: recorded
+                # when the routes are to be returned, the model's own routing otherwise (never a replay left set).
+                if replay is not None and self.return_routes:
+                    replay.record()
+                elif replay is not None:
+                    replay.idle()
+                try:
+                    part = self._generate_batch(prompts[start : start + chunk], params,
+                                                row_seeds[start : start + chunk])
+                    if self.return_routes:
+                        if replay is None:
+                            raise ValueError("return_routes: the model has no routing replay installed "
+                                             "(polyrl.core.models.routing.install_router_replay)")
+                        out.routes += _split_routes(replay.recorded, prompts[start : start + chunk],
+                                                    part.response_ids)
+                finally:
+                    if replay is not None:
+                        replay.idle()
+                out.response_ids += part.response_ids
+                out.logprobs += part.logprobs
+                out.finish_reasons += part.finish_reasons
         return out
 
     def _generate_batch(
@@ -141,6 +169,24 @@ class HFEngine:
             logprobs=[lp_l[i][: lengths_l[i]] for i in range(B)],
             finish_reasons=["stop" if done_l[i] else "length" for i in range(B)],
         )
+
+
+def _split_routes(recorded: list[list[torch.Tensor]], prompts: list[list[int]],
+                  responses: list[list[int]]) -> list[torch.Tensor]:
+    """Per row, the experts of each token it ran, [P + R - 1, L, k] (RolloutOutput.routes), from the routers' record of
+    one ``_generate_batch``: per layer, call 0 is the prefill ([B * S, k], row-major over the left-padded [B, S]),
+    call t >= 1 the decode step that ran response token t - 1 ([B, k])."""
+    B, S = len(prompts), max(len(p) for p in prompts)
+    per_layer = []
+    for calls in recorded:  # one MoE layer
+        prefill = calls[0].view(B, S, -1)
+        decode = torch.stack(calls[1:], dim=1) if len(calls) > 1 else prefill[:, :0]  # [B, steps, k]
+        per_layer.append((prefill, decode))
+    out = []
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        ran = max(0, len(r) - 1)  # the last sampled token is never run
+        out.append(torch.stack([torch.cat([pre[i, S - len(p):], dec[i, :ran]]) for pre, dec in per_layer], dim=1))
+    return [x.to("cpu", torch.int16) for x in out]
 
 
 def _all_ranks_done(done: torch.Tensor) -> bool:

@@ -48,9 +48,15 @@ def save_model_metadata(ckpt_root: str | os.PathLike[str], model: nn.Module, tok
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    config.save_pretrained(tmp)
+    from polyrl.core.models.serving import serving_config
+
+    serving_config(config).save_pretrained(tmp)  # with the fields inference engines' loaders need (vLLM)
     if tokenizer is not None:
         _as_hf_tokenizer(tokenizer).save_pretrained(tmp)
+    from polyrl.core.models.lora import has_adapters
+
+    if has_adapters(model):  # LoRA: peft's adapter_config.json, for the export to rebuild the adapters
+        model.polyrl_lora.save_pretrained(tmp)
     (tmp / "polyrl_export.json").write_text(json.dumps({"model_class": type(model).__name__}))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -120,6 +126,11 @@ def export_checkpoint(
     step_dir = resolve_checkpoint(checkpoint)
     meta_dir = find_metadata(step_dir)
     model = build_model_from_metadata(meta_dir)  # parses config.json: a broken one is refused there
+    lora = _adapters_of(meta_dir)
+    if lora is not None:
+        from peft import inject_adapter_in_model
+
+        model = inject_adapter_in_model(lora, model)  # the checkpoint's names: base_layer / lora_A / lora_B
     trained = json.loads((meta_dir / "config.json").read_text()).get("dtype") or "float32"
     out_dtype = torch_dtype(trained if dtype == "auto" else dtype, what="export dtype")
     try:
@@ -130,6 +141,9 @@ def export_checkpoint(
         how = "export it with polyrl export {path} " + str(out)
         step = int(step_dir.name.split("_")[1])
         raise refusal(exc, step_dir.parent, step, how, {"model": get_model_state_dict(model)}) from None
+    adapter = None
+    if lora is not None:  # the merged model is the export; the adapter alone goes beside it in peft's format
+        model, adapter = _merged_and_adapter(model, meta_dir)
     model = model.to(out_dtype)
     # all or nothing: refused before writing without the space, and a failed write (a full disk) leaves no
     # half-written model directory (one line, exit 1: polyrl.core.run.faults)
@@ -137,9 +151,47 @@ def export_checkpoint(
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out, safe_serialization=True)
         for item in meta_dir.iterdir():  # tokenizer files (config.json came from save_pretrained just now)
-            if item.is_file() and item.name not in ("config.json", "polyrl_export.json"):
+            if item.is_file() and item.name not in ("config.json", "polyrl_export.json", ADAPTER_CONFIG):
                 shutil.copy2(item, out / item.name)
+        if adapter is not None:
+            _save_adapter(adapter, meta_dir, out / ADAPTER_DIR)
     return out
+
+
+ADAPTER_DIR = "adapter"  # LoRA: the adapter alone, in peft's format, under the export
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def _adapters_of(meta_dir: Path) -> Any:
+    """peft's LoraConfig of a LoRA run (its ``adapter_config.json`` in the metadata), else None."""
+    if not (meta_dir / ADAPTER_CONFIG).is_file():
+        return None
+    from peft import LoraConfig
+
+    try:
+        return LoraConfig.from_pretrained(str(meta_dir))
+    except (ValueError, OSError, TypeError, json.JSONDecodeError) as exc:
+        raise BadInputError(f"cannot read the LoRA config {str(meta_dir / ADAPTER_CONFIG)!r}: {exc}") from exc
+
+
+def _merged_and_adapter(model: nn.Module, meta_dir: Path) -> tuple[nn.Module, dict[str, Any]]:
+    """(the base architecture holding the merged weights, the adapters' tensors under peft's saved names)."""
+    from polyrl.core.models.lora import adapter_state_dict, merged_tensors
+
+    adapter = adapter_state_dict(model)
+    merged = build_model_from_metadata(meta_dir)
+    merged.load_state_dict(merged_tensors(model, model.state_dict()), strict=True)
+    return merged, adapter
+
+
+def _save_adapter(tensors: dict[str, Any], meta_dir: Path, out: Path) -> None:
+    """``adapter_config.json`` + ``adapter_model.safetensors``: what ``PeftModel.save_pretrained`` writes, read by
+    ``PeftModel.from_pretrained`` and by vLLM's LoRA loader."""
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    shutil.copy2(meta_dir / ADAPTER_CONFIG, out / ADAPTER_CONFIG)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
 
 
 def _export_bytes(model: nn.Module, meta_dir: Path) -> int:

@@ -20,6 +20,9 @@ from typing import Any
 from polyrl.core.errors import BadInputError
 
 METRICS_FILE, CONFIG_FILE = "metrics.jsonl", "config.yaml"
+# The extra that brings the report's plotting (matplotlib) and the run's TensorBoard events (tensorboard): both
+# pull large dependencies, so the main install leaves them out and says so in one line where they are missing.
+REPORT_EXTRA = "pip install 'polyrl[report]'"
 PNG_FILE, MD_FILE = "report.png", "report.md"
 WINDOW = 10  # steps averaged for the "first" / "last" figures
 
@@ -35,6 +38,10 @@ PANELS: list[tuple[str, Callable[[str], bool]]] = [
     ("DAPO sampling", lambda k: k.startswith("dapo/")),
     ("entropy", lambda k: k.endswith("entropy")),
     ("rollout vs trainer logprobs", lambda k: k == "rollout/logprob_diff"),
+    # the rollout correction (algorithm.rollout_correction): the engine / trainer KL, the IS weights, what they drop
+    ("mismatch KL (engine vs trainer)", lambda k: k in ("mismatch/k1", "mismatch/k3", "mismatch/seq_k1")),
+    ("rollout IS weights", lambda k: k.startswith(("mismatch/is_", "mismatch/seq_is_")) and not k.endswith("_frac")),
+    ("rollout correction: clipped / masked", lambda k: k.startswith("mismatch/") and k.endswith("_frac")),
     ("time per step (s)", lambda k: k == "time/step_s"),
 ]
 
@@ -120,13 +127,23 @@ def _numeric_keys(records: list[dict[str, Any]]) -> list[str]:
     return list(keys)
 
 
+def events_missing() -> str:
+    """Why a run writes no TensorBoard ``events/`` (tensorboard is not installed, with what to install), or ""."""
+    try:
+        from tensorboard.summary.writer.record_writer import RecordWriter  # noqa: F401
+    except ImportError:
+        return (f"no TensorBoard events/ in the run directory: tensorboard is not installed ({REPORT_EXTRA}); "
+                "metrics.jsonl holds every metric")
+    return ""
+
+
 def plot(records: list[dict[str, Any]], png_path: Path) -> list[str]:
     """Draw the panels that have data into ``png_path``; returns the panel titles drawn."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-    except ImportError:
-        raise RuntimeError("polyrl report needs matplotlib (pip install 'polyrl[report]')") from None
+    except ImportError:  # bad input of the install: one line, exit 2
+        raise BadInputError(f"the report's plots need matplotlib, which is not installed: {REPORT_EXTRA}") from None
     keys = _numeric_keys(records)
     panels = [(title, [k for k in keys if pred(k)]) for title, pred in PANELS]
     panels = [(title, ks) for title, ks in panels if ks]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -29,6 +30,9 @@ class SequenceBatch:
     group_ids: list[object]
     mask: torch.Tensor  # [B, R] float 0/1
     rollout_logp: torch.Tensor  # [B, R] sampling log-probs from the engine
+    # Routing replay (rollout.routing_replay): per row, the experts each of its tokens is routed to in the forward
+    # passes, [P + R_i - 1, L, k] int on the host (the engine's under r3, the old-log-prob pass's under r2); None: off
+    routes: list[torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -37,7 +41,7 @@ class SequenceBatch:
     @classmethod
     def from_rollout(
         cls, prompts: list[list[int]], responses: list[list[int]], logprobs: list[list[float]], group_ids: list,
-        *, device: torch.device | str = "cpu",
+        *, device: torch.device | str = "cpu", routes: list[torch.Tensor] | None = None,
     ) -> SequenceBatch:
         """Built on the host (Python lists), moved to ``device`` (``Backend.device``) in one copy each."""
         B = len(prompts)
@@ -47,7 +51,8 @@ class SequenceBatch:
         for i, (resp, resp_lp) in enumerate(zip(responses, logprobs)):
             mask[i, : len(resp)] = 1.0
             lp[i, : len(resp)] = torch.tensor(resp_lp, dtype=torch.float32)
-        return cls(list(prompts), list(responses), list(group_ids), mask.to(device), lp.to(device))
+        return cls(list(prompts), list(responses), list(group_ids), mask.to(device), lp.to(device),
+                   list(routes) if routes is not None else None)
 
 
 def micro_batches(lengths: Sequence[int], rows: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -129,6 +134,50 @@ def _layout(batch: SequenceBatch, rows: Sequence[int], packed: bool, pad_id: int
     return kwargs, torch.tensor(gather, dtype=torch.long, device=device), dst, labels
 
 
+def _routes_for(batch: SequenceBatch, rows: Sequence[int], packed: bool, device: torch.device) -> torch.Tensor:
+    """[N, L, k] routes of the forward :func:`_layout` builds for ``rows`` (its flattened token order: packed rows
+    concatenated, or [b, longest] padded rows), -1 where a token has none (padding; the last token of a sequence,
+    which no engine ran; its output predicts nothing)."""
+    per_row = []
+    for r in rows:
+        route = batch.routes[r]
+        n = len(batch.prompts[r]) + len(batch.responses[r])
+        if route.shape[0] != n - 1:
+            raise ValueError(f"routing replay: row {r} has routes for {route.shape[0]} tokens, its sequence runs "
+                             f"{n - 1} (prompt + response - 1)")
+        per_row.append(torch.cat([route.long(), route.new_full((1, *route.shape[1:]), -1).long()]))
+    if packed:
+        return torch.cat(per_row).to(device)
+    longest = max(x.shape[0] for x in per_row)
+    out = per_row[0].new_full((len(per_row), longest, *per_row[0].shape[1:]), -1)
+    for i, x in enumerate(per_row):
+        out[i, : x.shape[0]] = x
+    return out.flatten(0, 1).to(device)
+
+
+def split_routes(recorded: torch.Tensor, batch: SequenceBatch, rows: Sequence[int], packed: bool) -> list[torch.Tensor]:
+    """Per row of ``rows``, [P + R - 1, L, k] of a forward's recorded routes ``recorded`` [N, L, k] (the inverse of
+    :func:`_routes_for`: the sequences' tokens but the last)."""
+    lengths = [len(batch.prompts[r]) + len(batch.responses[r]) for r in rows]
+    if packed:
+        starts = [0, *itertools.accumulate(lengths)][:-1]
+    else:
+        starts = [i * max(lengths) for i in range(len(rows))]
+    return [recorded[s : s + n - 1].to(torch.int16) for s, n in zip(starts, lengths)]
+
+
+def _declare_routing(replay, batch: SequenceBatch, rows: Sequence[int], packed: bool, record: bool,
+                     device: torch.device) -> None:
+    """Tell ``replay`` (polyrl.core.models.routing) what this forward routes by: recorded, the batch's routes, or
+    the model's own."""
+    if record:
+        replay.record()
+    elif batch.routes is not None:
+        replay.force(_routes_for(batch, rows, packed, device))
+    else:
+        replay.idle()
+
+
 def _scatter(values: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor], b: int, R: int) -> torch.Tensor:
     return values.new_zeros(b, R).index_put(dst, values)
 
@@ -145,15 +194,21 @@ def policy_forward(
     compute_entropy: bool,
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] = A.logprobs_and_entropy,
     linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    replay: Any = None,
+    record_routes: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [b, R] of the responses of ``rows`` under ``model`` (differentiable).
 
     ``logprobs``: the log-prob kernel on logits (the trainer passes its backend's ``Backend.logprobs``; the
     default is the reference). ``linear_logprobs``: when given (``Backend.linear_logprobs``), the fused path
     instead: the model's last hidden states and lm_head weight go to it and no logits are made
-    (polyrl.core.models.lm_head)."""
+    (polyrl.core.models.lm_head). ``replay``: the model's routing replay (rollout.routing_replay; None: off), which
+    then routes this forward by ``batch.routes`` when it has them, or records the model's own routing
+    (``record_routes``: read it with ``replay.take_recorded()`` and :func:`split_routes`)."""
     device = next(model.parameters()).device
     kwargs, gather, dst, labels = _layout(batch, rows, packed, pad_id, device)
+    if replay is not None:
+        _declare_routing(replay, batch, rows, packed, record_routes, device)
     kw = dict(chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
     if linear_logprobs is not None:
         logp, ent = fused_logprobs(model, kwargs, gather, labels, linear_logprobs, **kw)

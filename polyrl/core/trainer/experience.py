@@ -8,7 +8,8 @@ whose metric varies, drawing new generation batches until enough groups are kept
 what was kept).
 
 Rows travel as :class:`Generation` (typed per-sequence lists and [B] tensors), counters as the integer
-fields of :class:`RolloutCounts`; metrics are derived from both, never the other way round. The trainer's
+fields of :class:`RolloutCounts`; the metrics (:class:`~polyrl.core.trainer.metrics.RolloutMetrics`) are derived
+from both, never the other way round. The trainer's
 ``collect()`` adds the model-side views of the sampled tokens (old and reference log-probs, values) to
 the :class:`Experience` this module returns.
 """
@@ -26,14 +27,11 @@ from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
 from polyrl.core.models.chat import encode_prompt
 from polyrl.core.rewards import score_batch
-from polyrl.core.rollout import SamplingParams
+from polyrl.core.rollout import RolloutEngine, SamplingParams
 from polyrl.core.run.faults import EngineFailed, RewardsFailing
+from polyrl.core.run.outcome import TrainingAborted
 from polyrl.core.trainer.batch import SequenceBatch
-
-
-class TrainingAborted(RuntimeError):
-    """The run cannot continue (non-finite updates in a row, dynamic sampling exhausted, a fault of the machine:
-    ``Trainer.train`` turns a :mod:`polyrl.core.run.faults` fault into one); the message is the user's one line."""
+from polyrl.core.trainer.metrics import RolloutMetrics, ViewMetrics
 
 
 @dataclasses.dataclass
@@ -44,7 +42,7 @@ class Rollout:
 
     task: Any
     tokenizer: Any
-    engine: Any
+    engine: RolloutEngine
     sampling: SamplingParams
     sample_gen: torch.Generator
     task_rng: Any  # random.Random of the prompt stream
@@ -70,6 +68,7 @@ class Generation:
     reward_timeouts: int = 0
     truncated: int = 0  # prompts cut to data.max_prompt_length
     reward_failure: str = ""  # why the last failed reward failed ("" when none did)
+    routes: list[Any] | None = None  # the engine's routed experts per sequence (rollout.routing_replay=r3)
 
     @property
     def shaped(self) -> torch.Tensor:
@@ -84,7 +83,8 @@ class Generation:
         """The sequences ``rows`` (counts are of the generation, not of a selection: zero here)."""
         idx = torch.tensor(rows, dtype=torch.long)
         return Generation(*([getattr(self, k)[i] for i in rows] for k in _ROW_FIELDS),
-                          *(getattr(self, k)[idx] for k in _TENSOR_FIELDS))
+                          *(getattr(self, k)[idx] for k in _TENSOR_FIELDS),
+                          routes=None if self.routes is None else [self.routes[i] for i in rows])
 
     @staticmethod
     def concat(parts: list[Generation]) -> Generation:
@@ -94,7 +94,8 @@ class Generation:
         return Generation(*([x for p in parts for x in getattr(p, k)] for k in _ROW_FIELDS),
                           *(torch.cat([getattr(p, k) for p in parts]) for k in _TENSOR_FIELDS),
                           *(sum(getattr(p, k) for p in parts) for k in _COUNT_FIELDS),
-                          next((p.reward_failure for p in reversed(parts) if p.reward_failure), ""))
+                          next((p.reward_failure for p in reversed(parts) if p.reward_failure), ""),
+                          routes=None if parts[0].routes is None else [x for p in parts for x in p.routes])
 
 
 _ROW_FIELDS = ("prompts", "responses", "logprobs", "group_ids", "finish")
@@ -120,15 +121,17 @@ class Experience:
     """One step's training data on this rank. ``batch`` is None when dynamic sampling kept nothing.
 
     [B] and [B, R] tensors live on the batch's device. ``old_logp`` / ``ref_logp`` / ``values`` are the trainer's
-    views of the sampled tokens (filled by ``Trainer.collect``; None when not computed or not configured)."""
+    views of the sampled tokens (filled by ``Trainer.collect``, with ``view_metrics``; None when not computed or
+    not configured)."""
 
     batch: SequenceBatch | None
     scores: torch.Tensor  # [B] shaped sequence scores (task score + overlong penalty)
     counts: RolloutCounts
-    metrics: dict[str, float]
+    metrics: RolloutMetrics
     old_logp: torch.Tensor | None = None  # [B, R] the actor before the update (the behaviour policy's log-probs)
     ref_logp: torch.Tensor | None = None  # [B, R] the frozen reference (KL terms)
     values: torch.Tensor | None = None  # [B, R] the critic before the update (GAE)
+    view_metrics: ViewMetrics | None = None  # of the three views above (Trainer.collect)
 
 
 def decode_response(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:
@@ -166,7 +169,7 @@ def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: 
     except torch.OutOfMemoryError:
         raise  # device memory: the trainer's own line (phase, micro-batch, recipe key)
     except Exception as exc:  # the engine's own failure (a stop signal is a BaseException: not caught)
-        raise EngineFailed(getattr(ro.engine, "name", type(ro.engine).__name__), exc) from exc
+        raise EngineFailed(ro.engine.name, exc) from exc
     stop = set(ro.sampling.stop_token_ids)
     texts = [decode_response(tok, r, stop) for r in out.response_ids]
     raw, stats = score_batch(ro.task, seq_examples, texts, timeout_s=cfg.data.reward_timeout_s)
@@ -179,7 +182,8 @@ def _generate_and_score(cfg: RunConfig, ro: Rollout, examples: list, first_row: 
     )
     return Generation(seq_prompts, out.response_ids, out.logprobs, [ex.group_id for ex in seq_examples],
                       out.finish_reasons, raw_t, penalty, lengths, reward_errors=stats.errors,
-                      reward_timeouts=stats.timeouts, truncated=truncated, reward_failure=stats.last_failure)
+                      reward_timeouts=stats.timeouts, truncated=truncated, reward_failure=stats.last_failure,
+                      routes=out.routes)
 
 
 def _gather_global(part: Generation) -> Generation:
@@ -254,12 +258,12 @@ def sample_experience(cfg: RunConfig, ro: Rollout) -> Experience:
     counts.overlong_penalized = int((everything.penalty < 0).sum())
     counts.reward_errors, counts.reward_timeouts = everything.reward_errors, everything.reward_timeouts
     counts.truncated_prompts = everything.truncated
-    metrics = _rollout_metrics(everything, counts)
-    metrics["time/rollout_s"] = rollout_s
+    metrics = _rollout_metrics(everything, counts, rollout_s)
     mine = _rank_share(Generation.concat(kept))
     if not mine.size:
         return Experience(None, torch.zeros(0, device=ro.device), counts, metrics)
-    batch = SequenceBatch.from_rollout(mine.prompts, mine.responses, mine.logprobs, mine.group_ids, device=ro.device)
+    batch = SequenceBatch.from_rollout(mine.prompts, mine.responses, mine.logprobs, mine.group_ids, device=ro.device,
+                                       routes=mine.routes)
     return Experience(batch, mine.shaped.to(ro.device), counts, metrics)
 
 
@@ -273,27 +277,18 @@ def _count_reward_failures(cfg: RunConfig, ro: Rollout, part: Generation) -> Non
         raise RewardsFailing(ro.reward_failures_in_row, "data.reward_max_failures_in_row", part.reward_failure)
 
 
-def _rollout_metrics(seen: Generation, counts: RolloutCounts) -> dict[str, float]:
+def _rollout_metrics(seen: Generation, counts: RolloutCounts, rollout_s: float) -> RolloutMetrics:
     """Metrics of every generated sample (before dynamic sampling) and of the step's counts."""
     clipped = sum(f == "length" for f in seen.finish)
-    return {
-        # reward/* is the task's own score (before overlong shaping), over every generated sample
-        "reward/mean": float(seen.raw.mean()),
-        "reward/max": float(seen.raw.max()),
-        "reward/min": float(seen.raw.min()),
-        "reward/shaped_mean": float(seen.shaped.mean()),
-        "reward/errors": counts.reward_errors,
-        "reward/timeouts": counts.reward_timeouts,
-        "response/length_mean": float(seen.lengths.mean()),
-        "response/length_max": float(seen.lengths.max()),
-        "response/clip_ratio": clipped / seen.size,
-        "dapo/overlong_penalized": counts.overlong_penalized,
-        "dapo/overlong_penalty_mean": float(seen.penalty.mean()),
-        "prompt/truncated": counts.truncated_prompts,
-        "dapo/gen_batches": counts.gen_batches,
-        "dapo/groups_filtered": counts.groups_filtered,
-        "dapo/groups_kept": counts.groups_kept,
-    }
+    return RolloutMetrics(
+        reward_mean=float(seen.raw.mean()), reward_max=float(seen.raw.max()), reward_min=float(seen.raw.min()),
+        reward_shaped_mean=float(seen.shaped.mean()), reward_errors=counts.reward_errors,
+        reward_timeouts=counts.reward_timeouts, response_length_mean=float(seen.lengths.mean()),
+        response_length_max=float(seen.lengths.max()), response_clip_ratio=clipped / seen.size,
+        dapo_overlong_penalized=counts.overlong_penalized, dapo_overlong_penalty_mean=float(seen.penalty.mean()),
+        prompt_truncated=counts.truncated_prompts, dapo_gen_batches=counts.gen_batches,
+        dapo_groups_filtered=counts.groups_filtered, dapo_groups_kept=counts.groups_kept, time_rollout_s=rollout_s,
+    )
 
 
 def sampling_params(cfg: RunConfig, eos_id: int | None) -> SamplingParams:

@@ -8,25 +8,31 @@ touches the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from polyrl.core import algorithms as A
 from polyrl.core.config import RunConfig
-from polyrl.core.dtypes import torch_dtype
+from polyrl.core.data.packing import packs_documents
+from polyrl.core.dtypes import lowest_precision, torch_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.models.lm_head import fused_kernel_for
-from polyrl.core.rollout import build_engine, resolve_engine
+from polyrl.core.rollout import RolloutEngine, build_engine, choose_engine
 from polyrl.core.trainer import sync
 from polyrl.core.trainer.critic import ValueModel
 from polyrl.core.trainer.experience import Rollout, sampling_params
 from polyrl.core.trainer.schedule import build_scheduler
 from polyrl.core.trainer.state import TrainerState
 from polyrl.core.trainer.update import Learner
+
+if TYPE_CHECKING:
+    from polyrl.core.plugins.backend import Backend
 
 
 def build_task(cfg: RunConfig) -> Any:
@@ -70,7 +76,7 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
 
 
 def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int,
-              backend: Any = None, meta: bool = False) -> torch.nn.Module:
+              backend: Backend | None = None, meta: bool = False) -> torch.nn.Module:
     from polyrl.core.models import build_model
 
     try:
@@ -88,6 +94,21 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
     return model
 
 
+def _with_adapters(model: torch.nn.Module, cfg: RunConfig, seed: int, meta: bool = False) -> torch.nn.Module:
+    """The actor with ``model.lora``'s adapters (polyrl.core.models.lora), drawn from their own seeded generator
+    (a meta skeleton draws nothing: every rank's global generator moves alike), kept in fp32 whatever the base's
+    dtype (their Adam states too: a few percent of the model)."""
+    from polyrl.core.models.lora import apply_lora
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        apply_lora(model, cfg.model.lora, low_cpu_mem_usage=meta)
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
 @dataclasses.dataclass
 class Models:
     actor: torch.nn.Module
@@ -97,6 +118,19 @@ class Models:
     scheduler: Any
     critic_optimizer: torch.optim.Optimizer | None
     critic_scheduler: Any
+    ref_is_actor: bool = False  # LoRA: the reference is the actor with its adapters off (``ref`` is None)
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[torch.nn.Module | None]:
+        """The reference policy for the duration: the frozen copy, or (LoRA) the actor with its adapters off;
+        None without a reference."""
+        if not self.ref_is_actor:
+            yield self.ref
+            return
+        from polyrl.core.models.lora import adapters_disabled
+
+        with adapters_disabled(self.actor) as ref:
+            yield ref
 
 
 def _optimizer(params, cfg: RunConfig, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -105,7 +139,7 @@ def _optimizer(params, cfg: RunConfig, lr: float, weight_decay: float) -> torch.
     return cls(params, lr=lr, betas=tuple(o.betas), eps=o.eps, weight_decay=weight_decay)
 
 
-def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: torch.device) -> Models:
+def build_models(cfg: RunConfig, vocab_size: int | None, backend: Backend, device: torch.device) -> Models:
     """Actor (+ frozen reference when a KL term is on, + critic for GAE), sharded when distributed.
 
     ``vocab_size``: the tiny tokenizer's size for synthetic tasks (embeddings sized to it), else None.
@@ -116,7 +150,9 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
     seed = cfg.trainer.seed
     vocab = vocab_size
     alg = cfg.algorithm
-    with_ref = alg.use_kl_in_reward or alg.use_kl_loss
+    lora = cfg.model.lora.enabled
+    ref_is_actor = lora and (alg.use_kl_in_reward or alg.use_kl_loss)
+    with_ref = (alg.use_kl_in_reward or alg.use_kl_loss) and not lora
     critic_args = None
     if alg.adv_estimator == "gae":
         critic_args = (cfg.model.critic_name or cfg.model.name, {**cfg.model.overrides, **cfg.model.critic_overrides})
@@ -125,6 +161,8 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
         # shards from it (polyrl.core.distributed.loading). One model at a time, so rank 0 holds one full copy.
         meta = not loading.is_rank0()
         actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend, meta=meta)
+        if lora:
+            actor = _with_adapters(actor, cfg, seed, meta=meta)
         full = None if meta else actor.state_dict()
         ref = loading.meta_copy(actor).eval().requires_grad_(False) if with_ref else None
         actor = loading.shard_from_rank0(actor, full, backend, cfg.sharding, device)
@@ -138,7 +176,8 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
             critic = ValueModel(_build_lm(critic_args[0], cfg, vocab, critic_args[1], seed + 1, backend, meta=meta))
             critic = loading.shard_from_rank0(critic, None, backend, cfg.sharding, device)
     else:
-        actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend).to(device)
+        actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend)
+        actor = (_with_adapters(actor, cfg, seed) if lora else actor).to(device)
         ref = copy.deepcopy(actor).eval().requires_grad_(False) if with_ref else None
         critic = None
         if critic_args is not None:
@@ -151,11 +190,14 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Any, device: t
     o = cfg.optimizer
     sched_kw = dict(warmup_steps=o.warmup_steps, total_steps=cfg.trainer.total_steps, schedule=o.schedule,
                     min_lr_ratio=o.min_lr_ratio)
-    optimizer = _optimizer(actor.parameters(), cfg, o.lr, o.weight_decay)
+    # LoRA: only the adapters get gradients and optimizer states
+    trainable = [p for p in actor.parameters() if p.requires_grad] if lora else actor.parameters()
+    optimizer = _optimizer(trainable, cfg, o.lr, o.weight_decay)
     critic_opt = _optimizer(critic.parameters(), cfg, o.critic_lr, o.critic_weight_decay) if critic else None
     return Models(
         actor=actor, ref=ref, critic=critic, optimizer=optimizer, scheduler=build_scheduler(optimizer, **sched_kw),
         critic_optimizer=critic_opt, critic_scheduler=build_scheduler(critic_opt, **sched_kw) if critic_opt else None,
+        ref_is_actor=ref_is_actor,
     )
 
 
@@ -168,7 +210,7 @@ def build_kl_controller(cfg: RunConfig) -> Any:
     return A.FixedKLController(alg.kl_coef)
 
 
-def check_before_launch(cfg: RunConfig, backend: Any, world_size: int) -> None:
+def check_before_launch(cfg: RunConfig, backend: Backend, world_size: int) -> None:
     """What the ``--nproc`` launcher refuses before any worker starts (bad input: one line, exit 2, from one
     process): the task and its data, the checkpoints' formats, the placement on ``world_size`` processes."""
     from polyrl.core.distributed.sharding import check_placement
@@ -187,39 +229,77 @@ class Components:
     tokenizer: Any
     models: Models
     state: TrainerState
-    engine: Any
+    engine: RolloutEngine
     rollout: Rollout
-    actor: Learner
+    actor: Learner  # with the backend's log-prob kernels (``actor.linear_logprobs``: the fused one, or None)
     critic: Learner | None
-    fused: Any  # the backend's fused lm_head + log-prob kernel, or None
     probe: list[list[int]]  # the sync probe's token sequences
     probe_dtype: str  # whose tolerance the probe uses
+    engine_choice: str = ""  # which rollout engine and why (one line for the run log)
 
 
-def build_components(cfg: RunConfig, backend: Any, device: torch.device) -> Components:
+def rollout_rows(cfg: RunConfig) -> int:
+    """Sequences one generate call of this rank holds (this rank's prompts x ``rollout.n``, or
+    ``rollout.micro_batch_size`` when smaller): what an engine with its own KV cache sizes it for."""
+    from polyrl.core import distributed as D
+
+    rows = -(-cfg.data.batch_size // max(1, D.get_world_size())) * cfg.rollout.n
+    micro = cfg.rollout.micro_batch_size
+    return min(rows, micro) if micro > 0 else rows
+
+
+def routing_replay_for(cfg: RunConfig, actor: torch.nn.Module, engine_name: str,
+                       backend: Backend) -> tuple[Any, dict[str, Any]]:
+    """``rollout.routing_replay``: the hooks on the actor's routers (None when off) and what the engine is built with
+    (r3: ``return_routes=True``). Refused in one line, before the run starts, for a model routing replay does not
+    know and for an engine that cannot return its routes (the factory's ``routes_refusal``)."""
+    from polyrl.core.models.routing import install_router_replay, unsupported_moe
+    from polyrl.core.plugins import get_registry
+
+    mode = cfg.rollout.routing_replay
+    if mode == "off":
+        return None, {}
+    problem = unsupported_moe(actor)
+    if problem:
+        raise BadInputError(f"rollout.routing_replay={mode}: model {cfg.model.name!r} cannot replay routes: {problem}")
+    if mode == "r3":
+        refuse = getattr(get_registry().rollout_engines.get(engine_name), "routes_refusal", None)
+        why = refuse(backend) if callable(refuse) else "it does not say it can return the experts it routed to"
+        if why:
+            raise BadInputError(f"rollout.routing_replay=r3: rollout engine {engine_name!r} on backend "
+                                f"{backend.name!r} cannot return routed experts: {why}")
+    return install_router_replay(actor), ({"return_routes": True} if mode == "r3" else {})
+
+
+def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> Components:
     """Task → tokenizer → models → resumable state → rollout engine → learners, in that order (the seeds drawn
     while building follow it)."""
     task = build_task(cfg)
     tokenizer = build_tokenizer(cfg, task)
     models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
-    state = TrainerState(cfg.trainer.seed, task, build_kl_controller(cfg), backend.generator)
+    state = TrainerState(cfg.trainer.seed, task, build_kl_controller(cfg), backend.placement.generator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    # Packing needs an attention that splits documents by position_ids; others get padded rows.
-    packed = cfg.model.attn_implementation == "polyrl"
+    packed = packs_documents(cfg.model.attn_implementation)
     max_len = cfg.data.max_prompt_length + cfg.rollout.max_response_length
     sampling = sampling_params(cfg, tokenizer.eos_token_id)
-    engine = build_engine(resolve_engine(cfg.rollout.engine, backend), models.actor, pad_token_id=pad_id,
-                          backend=backend, max_model_len=max_len, sampling=sampling)
+    actor_cfg = getattr(models.actor, "config", None)
+    engine_name, engine_choice = choose_engine(cfg.rollout.engine, backend, actor_cfg)
+    replay, engine_routes = routing_replay_for(cfg, models.actor, engine_name, backend)
+    engine = build_engine(engine_name, models.actor, pad_token_id=pad_id, backend=backend, max_model_len=max_len,
+                          sampling=sampling, max_num_seqs=rollout_rows(cfg), **engine_routes)
+    if cfg.model.lora.enabled and hasattr(engine, "merge_adapters"):  # the hf engine (polyrl.core.rollout.hf)
+        engine.merge_adapters = cfg.model.lora.merge_for_rollout
     rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,
                       task_rng=state.task_rng, device=device)
     fused = fused_kernel_for(cfg.model.fused_logprobs, models.actor, backend)
-    c = state.counters
-    actor = Learner(models.actor, models.optimizer, state.shuffle_gen, c, packed, pad_id, backend.logprobs, fused)
-    critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, c, packed, pad_id)
+    actor = Learner(models.actor, models.optimizer, state.shuffle_gen, packed, pad_id, backend.logprobs, fused,
+                    replay=replay)
+    critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, packed, pad_id)
               if models.critic is not None else None)
-    actor_cfg = getattr(models.actor, "config", None)
     probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)
-    # the bar of the lower precision among the model's dtype and the backend's FSDP compute dtype
-    dtypes = {cfg.model.dtype, backend.sharding_policy().param_dtype}
-    probe_dtype = "float32" if dtypes == {"float32"} else sorted(dtypes - {"float32"})[0]
-    return Components(task, tokenizer, models, state, engine, rollout, actor, critic, fused, probe, probe_dtype)
+    # The bar of the lowest precision among the model's dtype, the backend's FSDP compute dtype (its policy's, even
+    # in one process: the bar of the sharded run) and the engine's dtype (an engine may generate in its own).
+    probe_dtype = lowest_precision(cfg.model.dtype, backend.placement.sharding_policy().param_dtype,
+                                   str(getattr(engine, "dtype", cfg.model.dtype)))
+    return Components(task, tokenizer, models, state, engine, rollout, actor, critic, probe, probe_dtype,
+                      engine_choice)

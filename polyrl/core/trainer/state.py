@@ -33,7 +33,7 @@ class TrainerState:
         self.sample_gen = generator(seed + 1)  # per-sequence sampling seeds
         self.shuffle_gen = generator(seed + 2)  # mini-batch shuffles
         self.kl_ctrl = kl_ctrl
-        self.counters = Counters()
+        self.counters = Counters()  # the only one: loaded in place on resume, never replaced
 
     def state_dict(self) -> dict[str, Any]:
         version, internal, gauss = self.task_rng.getstate()
@@ -58,6 +58,7 @@ class TrainerState:
         self.shuffle_gen.set_state(state["shuffle_gen"])
         if self.kl_ctrl is not None and state.get("kl_ctrl"):
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        # 0.1 checkpoints also hold five rollout totals that nothing read; only the fields of today are kept
-        fields = {f.name for f in dataclasses.fields(Counters)}
-        self.counters = Counters(**{k: v for k, v in state["counters"].items() if k in fields})
+        # In place: ``self.counters`` is the one object the updates count on (``Trainer.update`` hands it to them).
+        # 0.1 checkpoints also hold five rollout totals that nothing read; only the fields of today are kept.
+        for f in dataclasses.fields(Counters):
+            setattr(self.counters, f.name, int(state["counters"].get(f.name, 0)))

@@ -1,22 +1,27 @@
 """Weight sync into the rollout engine, verified: never generate from a stale policy.
 
 After every update the trainer hands its weights to the engine (``engine.sync_weights``). An engine that holds
-its own copy (``is_verified``: vLLM) is then checked: it scores a fixed probe batch and its per-token
-log-probs are compared with the trainer's own on the same tokens. Beyond the tolerance
-(``rollout.sync_probe`` in polyrl.core.tolerances) the engine is rebuilt from a full export of the weights and
-checked again; if that fails too, the run stops (``SyncFailed``) — a stale or half-loaded engine (experts or
-sinks not updated, a partial load, an inference kernel with another sliding-window convention) would
-otherwise train on samples from a policy that is not the one being optimised.
+its own copy (``is_verified``: vLLM) is then checked, in prefill and in decode: it scores a fixed probe batch
+(``score``, the prefill path) and samples past the sliding window (``decode_probe_diff``, the decode path: another
+kernel, and for MLA other weights), and its per-token log-probs are compared with the trainer's own on the same
+tokens. Beyond the tolerance (``rollout.sync_probe`` for the lower of the trainer's and the engine's precision, in
+polyrl.core.tolerances) the run stops (``SyncFailed``, one line with the measured difference): a stale or
+half-loaded engine (experts or sinks not updated, a partial load, decode weights not rebuilt, an inference kernel
+with another sliding-window convention) would otherwise train on samples from a policy that is not the one being
+optimised. There is no repair in-process: the same fault would recur at the next sync, and vLLM's sleep-mode
+allocator refuses a second engine in one process; the run directory stays resumable.
 
 The probe: sequences of pseudo-random tokens (a fixed seed: the same probe every step), one short, and for a
 model with sliding-window layers one longer than the window by half a window, so the check covers the
 sliding layers beyond the window edge as well as the full ones. The decision uses the largest difference over
-all ranks (each rank checks its own engine; the rebuild is collective under FSDP).
+all ranks (each rank checks its own engine), so every rank stops alike.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,7 +34,10 @@ from polyrl.core.trainer.experience import TrainingAborted
 
 
 class SyncFailed(TrainingAborted):
-    """The engine's log-probs still differ from the trainer's after a rebuild: the message says by how much."""
+    """The engine's log-probs differ from the trainer's after a sync: the message says by how much and why. The
+    run directory is intact: the guard adds where the same command resumes (polyrl.core.run.guard)."""
+
+    resumable = True
 
 
 def probe_sequences(config: Any, vocab_size: int, *, max_len: int, seed: int = 1234) -> list[list[int]]:
@@ -44,7 +52,7 @@ def probe_sequences(config: Any, vocab_size: int, *, max_len: int, seed: int = 1
 
 
 def trainer_logprobs(model: Any, sequences: list[list[int]], *, packed: bool, pad_id: int, chunk_size: int,
-                     logprobs: Any, linear_logprobs: Any = None) -> list[list[float]]:
+                     logprobs: Any, linear_logprobs: Any = None, replay: Any = None) -> list[list[float]]:
     """The trainer's log-probs (temperature 1) of ``sequences[i][t]`` for t >= 1, through the trainer's own
     forward (``policy_forward``: same attention, packing and log-prob kernels as training)."""
     batch = SequenceBatch.from_rollout([s[:1] for s in sequences], [s[1:] for s in sequences],
@@ -56,30 +64,48 @@ def trainer_logprobs(model: Any, sequences: list[list[int]], *, packed: bool, pa
         with torch.no_grad():
             logp, _ = policy_forward(model, batch, list(range(len(sequences))), packed=packed, pad_id=pad_id,
                                      temperature=1.0, chunk_size=chunk_size, compute_entropy=False,
-                                     logprobs=logprobs, linear_logprobs=linear_logprobs)
+                                     logprobs=logprobs, linear_logprobs=linear_logprobs,
+                                     replay=replay)  # routing replay on: the probe routes by the model's own
     finally:
         model.train(was_training)
     rows = logp.float().cpu().tolist()
     return [row[: len(s) - 1] for row, s in zip(rows, sequences)]
 
 
-def probe_diff(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> float:
-    """Largest |engine - trainer| log-prob over the probe tokens (prefill) and, for an engine that has it, over
-    tokens it samples at decode time past the sliding window (``decode_probe_diff``); maximised over ranks."""
+def probe_diffs(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> tuple[float, float]:
+    """Largest |engine - trainer| log-prob over the probe tokens (prefill) and over tokens the engine samples at
+    decode time (``decode_probe_diff``, where the engine has it); each maximised over ranks."""
     mine = trainer_logprobs(model, sequences, **forward)
     theirs = engine.score(sequences)
-    worst = max(abs(a - b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
-    decode = getattr(engine, "decode_probe_diff", None)
-    if callable(decode):  # prefill (``score``) does not run the decode kernels: check them past the window too
-        worst = max(worst, decode(lambda seqs: trainer_logprobs(model, seqs, **forward)))
-    return float(D.all_reduce_(torch.tensor(worst, dtype=torch.float64), "max").item())
+    prefill = max(abs(a - b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
+    decode = 0.0
+    probe = getattr(engine, "decode_probe_diff", None)
+    if callable(probe):  # prefill (``score``) does not run the decode kernels
+        decode = probe(lambda seqs: trainer_logprobs(model, seqs, **forward))
+    both = D.all_reduce_(torch.tensor([prefill, decode], dtype=torch.float64), "max")
+    return float(both[0].item()), float(both[1].item())
+
+
+def probe_diff(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> float:
+    """The larger of :func:`probe_diffs`' prefill and decode differences."""
+    return max(probe_diffs(engine, model, sequences, **forward))
 
 
 def sync_and_verify(engine: Any, model: Any, sequences: list[list[int]], dtype: str, **forward: Any) -> dict[str, float]:
     """Sync ``model`` into ``engine`` (woken first), then ``verify``. Returns the sync's metrics."""
     t0 = time.perf_counter()
     wake_up(engine)
-    engine.sync_weights(model)
+    try:
+        engine.sync_weights(model)
+    except torch.OutOfMemoryError:
+        raise  # the run's out-of-memory line, not a loader's refusal
+    except (RuntimeError, AttributeError, KeyError, TypeError, ValueError, AssertionError) as exc:
+        from polyrl.core.plugins.backend import one_line
+
+        # the engine's loader refused the live model: the same on every rank (same code, same names)
+        raise SyncFailed(f"rollout engine {getattr(engine, 'name', '?')!r} could not load the trainer's weights "
+                         f"({one_line(exc)}); stopping: an engine that kept its old weights would roll out another "
+                         "policy") from exc
     metrics = verify(engine, model, sequences, dtype, **forward)
     metrics["time/sync_s"] = time.perf_counter() - t0
     return metrics
@@ -96,23 +122,81 @@ def wake_up(engine: Any) -> None:
         engine.wake_up()
 
 
+# Modules whose outputs the floor perturbs: every matmul and the blocks around them (attention, MLP / experts,
+# router, decoder layer), by class name so that any transformers model (and polyrl's own experts) is covered.
+_FLOOR_MODULES = ("DecoderLayer", "Attention", "MLP", "MoE", "Moe", "Experts", "Router", "Gate")
+
+
+@contextlib.contextmanager
+def _rounding_noise(model: Any, eps: float, seed: int) -> Iterator[None]:
+    """While inside: every linear layer's and compute block's floating-point output ``t`` becomes ``t + t * u``,
+    u uniform in [-eps, eps] (seeded, one generator per device)."""
+    gens: dict[torch.device, torch.Generator] = {}
+
+    def noisy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        if t.device not in gens:
+            gens[t.device] = torch.Generator(device=t.device).manual_seed(seed)
+        u = torch.rand(t.shape, generator=gens[t.device], device=t.device, dtype=torch.float32)
+        return t + t * u.mul_(2 * eps).sub_(eps).to(t.dtype)
+
+    def hook(module: Any, args: Any, out: Any) -> Any:
+        return tuple(noisy(o) for o in out) if isinstance(out, tuple) else noisy(out)
+
+    handles = [m.register_forward_hook(hook) for m in model.modules()
+               if isinstance(m, torch.nn.Linear) or type(m).__name__.endswith(_FLOOR_MODULES)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def precision_floor(model: Any, sequences: list[list[int]], dtype: str, *, draws: int = 2, seed: int = 4321,
+                    **forward: Any) -> float:
+    """How far rounding at ``dtype`` alone moves the trainer's probe log-probs: the largest |difference| between
+    the trainer's log-probs and the same forward with ``u * eps`` relative noise (u uniform in [-1, 1], eps the
+    unit roundoff of ``dtype``) added to the output of every linear layer and compute block, over ``draws`` seeded
+    draws, maximised over ranks. An engine in ``dtype`` rounds at other places than the trainer; a model whose
+    routers sit near ties (random-init MoE at full width) moves by this much from rounding alone, which no fixed
+    bar can tell from a fault. Costs ``draws + 1`` forwards of the probe."""
+    eps = float(torch.finfo(getattr(torch, dtype)).eps) / 2
+    clean = trainer_logprobs(model, sequences, **forward)
+    worst = 0.0
+    for draw in range(draws):
+        with _rounding_noise(model, eps, seed + draw):
+            perturbed = trainer_logprobs(model, sequences, **forward)
+        worst = max([worst, *(abs(a - b) for c, p in zip(clean, perturbed) for a, b in zip(c, p))])
+    return float(D.all_reduce_(torch.tensor([worst], dtype=torch.float64), "max")[0].item())
+
+
 def verify(engine: Any, model: Any, sequences: list[list[int]], dtype: str, **forward: Any) -> dict[str, float]:
-    """For an engine with its own weights: check it on the probe, repair by one rebuild, else raise
-    ``SyncFailed``. An engine that is the trainer's model (hf) has nothing to check: {}."""
+    """For an engine with its own weights: check it on the probe in prefill and decode, else raise ``SyncFailed``.
+    An engine that is the trainer's model (hf) has nothing to check: {}.
+
+    The bar is ``rollout.sync_probe`` for ``dtype``; below fp32, a probe beyond it is then held against the model's
+    own rounding floor (:func:`precision_floor`): the bar becomes ``rollout.sync_probe_floor_factor`` times the
+    floor where that is larger (metrics ``rollout/sync_probe_floor``, ``rollout/sync_probe_bar``)."""
     if not is_verified(engine):
         return {}
     bar = tolerance("rollout.sync_probe", dtype)
-    diff = probe_diff(engine, model, sequences, **forward)
-    metrics = {"rollout/sync_probe_diff": diff, "rollout/sync_rebuilt": 0.0}
-    if diff > bar:
-        engine.rebuild(model)
-        diff = probe_diff(engine, model, sequences, **forward)
-        metrics.update({"rollout/sync_probe_diff": diff, "rollout/sync_rebuilt": 1.0})
-        if diff > bar:
-            raise SyncFailed(
-                f"rollout engine {engine.name!r} does not reproduce the trainer after a rebuild: its log-probs on "
-                f"the probe batch differ by up to {diff:.3g} (tolerance {bar:g} for {dtype}). Training on its "
-                "samples would train on another policy; stopping. Likely causes: a weight the engine does not "
-                "load (check the model's HF names), or an attention convention of the inference kernel that "
-                "differs from training's (sliding window, sinks)")
+    prefill, decode = probe_diffs(engine, model, sequences, **forward)
+    metrics = {"rollout/sync_probe_diff": max(prefill, decode), "rollout/sync_probe_prefill": prefill,
+               "rollout/sync_probe_decode": decode}
+    floor_note = ""
+    if max(prefill, decode) > bar and dtype in ("bfloat16", "float16"):
+        floor = precision_floor(model, sequences, dtype, **forward)
+        bar = max(bar, tolerance("rollout.sync_probe_floor_factor", dtype) * floor)
+        metrics["rollout/sync_probe_floor"], metrics["rollout/sync_probe_bar"] = floor, bar
+        floor_note = f", {tolerance('rollout.sync_probe_floor_factor', dtype):g}x the model's own {dtype} floor {floor:.3g}"
+    if max(prefill, decode) > bar:
+        where = " and ".join(w for w, d in (("prefill", prefill), ("decode", decode)) if d > bar)
+        raise SyncFailed(
+            f"rollout engine {engine.name!r} does not reproduce the trainer after the weight sync: its log-probs "
+            f"differ by up to {max(prefill, decode):.3g} in {where} (prefill {prefill:.3g}, decode {decode:.3g}; "
+            f"tolerance {bar:g} for {dtype}{floor_note}). Training on its samples would train on another policy; stopping. "
+            "Likely causes: a weight the engine does not load (check the model's HF names), decode weights its "
+            "post-load processing did not rebuild, or an attention convention of the inference kernel that differs "
+            "from training's (sliding window, sinks)")
     return metrics

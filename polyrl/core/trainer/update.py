@@ -22,9 +22,13 @@ from polyrl.core import algorithms as A
 from polyrl.core import distributed as D
 from polyrl.core.config import RunConfig
 from polyrl.core.distributed.sharding import clip_grad_norm
+from polyrl.core.run.outcome import TrainingAborted
 from polyrl.core.trainer.batch import SequenceBatch, micro_batches, policy_forward, value_forward
-from polyrl.core.trainer.experience import TrainingAborted
+from polyrl.core.trainer.metrics import ActorMetrics, CriticMetrics, UpdateMetrics
 from polyrl.core.trainer.prepare import UpdateInputs
+from polyrl.core.trainer.state import Counters
+
+__all__ = ["Learner", "UpdateMetrics", "update_actor", "update_critic"]
 
 
 def _mini_batches(batch: SequenceBatch, size: int, gen: torch.Generator) -> list[list[int]]:
@@ -35,7 +39,7 @@ def _mini_batches(batch: SequenceBatch, size: int, gen: torch.Generator) -> list
 
 def _step_or_skip(
     loss_total: float, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, cfg: RunConfig,
-    counters: Any, what: str,
+    counters: Counters, what: str,
 ) -> float:
     """Clip and step, or drop the gradients of a non-finite update. Returns the pre-clip grad norm."""
     grad_norm = float(clip_grad_norm(params, cfg.optimizer.grad_clip))
@@ -58,23 +62,29 @@ def _step_or_skip(
 
 def _run_epochs(
     cfg: RunConfig, batch: SequenceBatch, gen: torch.Generator, micro_loss: Callable[..., tuple[torch.Tensor, dict]],
-    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, counters: Any, what: str,
+    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, counters: Counters, what: str,
+    token_mask: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """The shared epoch / mini-batch / micro-batch skeleton; ``micro_loss(rows, n_tok, n_seq)`` does the math."""
+    """The shared epoch / mini-batch / micro-batch skeleton; ``micro_loss(rows, n_tok, n_seq)`` does the math.
+    ``token_mask`` ([B, R], default ``batch.mask``): the tokens the losses count (the rollout correction's kept
+    ones); a mini-batch with none of them on any rank is skipped (no optimizer step: there is nothing to learn)."""
     lengths = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    tmask = batch.mask if token_mask is None else token_mask
     sums: dict[str, float] = defaultdict(float)
     n_updates = 0
     for _ in range(cfg.algorithm.ppo_epochs):
         for rows in _mini_batches(batch, cfg.algorithm.mini_batch_size, gen):
-            mask = batch.mask[rows]
+            mask = tmask[rows]
             n_tok = A.global_token_count(mask)
             n_seq = A.global_seq_count(mask)
+            if n_tok == 0 and token_mask is not None:
+                continue
             loss_total = 0.0
             for micro in micro_batches(lengths, rows, cfg.algorithm.micro_batch_tokens):
                 loss, metrics = micro_loss(micro, n_tok, n_seq)
                 loss.backward()
                 loss_total += float(loss.detach())
-                share = float(batch.mask[micro].sum()) / max(1, n_tok)  # token weight of this micro-batch
+                share = float(tmask[micro].sum()) / max(1, n_tok)  # token weight of this micro-batch
                 for k, v in metrics.items():
                     sums[k] += float(v) * share
             loss_total = D.all_reduce_(torch.tensor(loss_total, dtype=torch.float64)).item()
@@ -90,54 +100,50 @@ def _run_epochs(
 
 @dataclasses.dataclass
 class Learner:
-    """One trained model with what updates it: its optimizer, the CPU generator that shuffles mini-batches,
-    the packing of its forward passes, and the counters of skipped (non-finite) updates."""
+    """One trained model with what updates it: its optimizer, the CPU generator that shuffles mini-batches and
+    the packing of its forward passes (the counters of skipped updates are the run's: ``TrainerState``)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     shuffle_gen: torch.Generator
-    counters: Any  # TrainerState.Counters: nonfinite_skipped / nonfinite_in_row
     packed: bool
     pad_id: int
     logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # the backend's log-prob kernel
     # the backend's fused lm_head + log-prob kernel when model.fused_logprobs selects it (no logits made)
     linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # rollout.routing_replay on: the hooks on the model's routers (polyrl.core.models.routing.RouterReplay)
+    replay: Any = None
+
+    def policy_kwargs(self, cfg: RunConfig) -> dict[str, Any]:
+        """How this model's ``policy_forward`` runs everywhere — old and reference log-probs, the update, the
+        sync probe (which drops the temperature): packing, the sampling temperature, the log-prob kernels."""
+        kernels = {"logprobs": self.logprobs} if self.logprobs is not None else {}  # else the reference kernel
+        if self.replay is not None:  # every forward of the model then declares its routing (batch.routes or its own)
+            kernels["replay"] = self.replay
+        return dict(packed=self.packed, pad_id=self.pad_id, temperature=cfg.rollout.temperature,
+                    chunk_size=cfg.trainer.logprob_chunk_size, linear_logprobs=self.linear_logprobs, **kernels)
 
 
-@dataclasses.dataclass
-class UpdateMetrics:
-    """What one step's updates report: ``values`` (``loss/*``, ``actor/*``, ``critic/*``, ``time/update_s``), whether
-    the actor was updated (not during the critic warmup), and how many optimizer steps were skipped as non-finite."""
-
-    values: dict[str, float]
-    actor_updated: bool
-    nonfinite_skipped: int
-
-
-def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs) -> dict[str, float]:
+def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters: Counters) -> ActorMetrics:
     """PPO epochs of the policy on ``inputs`` (clipped surrogate, optional KL loss and entropy bonus)."""
     alg = cfg.algorithm
     model = actor.model
     batch, old_logp, ref_logp, advantages = inputs.batch, inputs.old_logp, inputs.ref_logp, inputs.advantages
+    forward = actor.policy_kwargs(cfg)
+    # the rollout correction (UpdateInputs): the kept tokens replace the response mask in every actor loss term
+    # and its counts; the IS weights multiply the policy loss per token
+    token_mask = batch.mask if inputs.loss_mask is None else batch.mask * inputs.loss_mask
+    is_weights = inputs.is_weights
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
-        logp, ent = policy_forward(
-            model, batch, rows, packed=actor.packed, pad_id=actor.pad_id, temperature=cfg.rollout.temperature,
-            chunk_size=cfg.trainer.logprob_chunk_size, compute_entropy=alg.entropy_coeff > 0,
-            **({"logprobs": actor.logprobs} if actor.logprobs is not None else {}),
-            linear_logprobs=actor.linear_logprobs,
-        )
-        mask, old, adv = batch.mask[rows], old_logp[rows], advantages[rows]
+        logp, ent = policy_forward(model, batch, rows, **forward, compute_entropy=alg.entropy_coeff > 0)  # [b, R]
+        mask, old, adv = token_mask[rows], old_logp[rows], advantages[rows]
         agg = dict(agg=alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq, max_len=cfg.rollout.max_response_length)
-        pg, m = A.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                              clip_c=alg.clip_c, **agg)
+        # the clip fractions come with the loss: they describe its ratio (clamped log-ratio)
+        pg, metrics = A.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                    clip_c=alg.clip_c, weights=None if is_weights is None else is_weights[rows],
+                                    **agg)
         loss = pg
-        metrics = {"pg_clipfrac": m["pg_clipfrac"], "pg_clipfrac_lower": m["pg_clipfrac_lower"], "ppo_kl": m["ppo_kl"]}
-        with torch.no_grad():  # which side of the clip range was hit (DAPO clip-higher makes them differ)
-            ratio = torch.exp(logp.detach() - old)
-            metrics["clipfrac_low"] = A.masked_mean(((adv < 0) & (ratio < 1 - alg.clip_low)).float(), mask)
-            metrics["clipfrac_high"] = A.masked_mean(((adv > 0) & (ratio > 1 + alg.clip_high)).float(), mask)
-        policy_share = pg.detach()
         if alg.use_kl_loss and ref_logp is not None:
             kl = A.kl_penalty(logp, ref_logp[rows], alg.kl_kind)
             kl_loss = A.aggregate(kl, mask, **agg)
@@ -146,35 +152,49 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs) -> dict[s
         if alg.entropy_coeff > 0:
             ent_loss = A.entropy_loss(ent, mask, **agg)
             loss = loss - alg.entropy_coeff * ent_loss
-        metrics["policy_loss_share"] = policy_share * n_tok / max(1.0, float(mask.sum()))
+        metrics["policy_loss_share"] = pg.detach() * n_tok / max(1.0, float(mask.sum()))
         return loss, metrics
 
+    if actor.replay is not None:
+        actor.replay.reset_counts()
     out = _run_epochs(cfg, batch, actor.shuffle_gen, micro_loss, list(model.parameters()), actor.optimizer,
-                      actor.counters, "actor")
-    metrics = {f"actor/{k}": v for k, v in out.items() if k not in ("policy_loss_share", "kl_loss", "loss")}
-    metrics["loss/policy"] = out.get("policy_loss_share", 0.0)
-    metrics["loss/total"] = out.get("loss", 0.0)
-    if "kl_loss" in out:
-        metrics["loss/kl"] = out["kl_loss"]
-    return metrics
+                      counters, "actor", token_mask=None if inputs.loss_mask is None else token_mask)
+    out = defaultdict(float, out)  # every mini-batch skipped (the correction kept no token): zeros
+    replayed = actor.replay is not None and batch.routes is not None and actor.replay.forced > 0
+    return ActorMetrics(
+        actor_pg_clipfrac=out["pg_clipfrac"], actor_pg_clipfrac_lower=out["pg_clipfrac_lower"],
+        actor_ppo_kl=out["ppo_kl"], actor_clipfrac_low=out["clipfrac_low"], actor_clipfrac_high=out["clipfrac_high"],
+        actor_grad_norm=out["grad_norm"], loss_policy=out.get("policy_loss_share", 0.0),
+        loss_total=out.get("loss", 0.0), loss_kl=out.get("kl_loss"),
+        actor_routing_changed=actor.replay.changed / actor.replay.forced if replayed else None,  # this rank's
+    )
 
 
-def update_critic(cfg: RunConfig, learner: Learner, inputs: UpdateInputs) -> dict[str, float]:
+def update_critic(cfg: RunConfig, critic: Learner, inputs: UpdateInputs, counters: Counters) -> CriticMetrics:
     """PPO epochs of the critic towards ``inputs.returns`` (value clipping around ``inputs.values``)."""
     alg = cfg.algorithm
-    critic = learner.model
     batch, old_values, returns = inputs.batch, inputs.values, inputs.returns
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
-        values = value_forward(critic, batch, rows, packed=learner.packed, pad_id=learner.pad_id)
+        values = value_forward(critic.model, batch, rows, packed=critic.packed, pad_id=critic.pad_id)  # [b, R]
         mask = batch.mask[rows]
         loss, m = A.value_loss(values, old_values[rows], returns[rows], mask, clip=alg.value_clip,
                                agg=alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq,
                                max_len=cfg.rollout.max_response_length)
         return loss, {"vf_clipfrac": m["vf_clipfrac"], "vpred_mean": m["vpred_mean"]}
 
-    out = _run_epochs(cfg, batch, learner.shuffle_gen, micro_loss, list(critic.parameters()),
-                      learner.optimizer, learner.counters, "critic")
-    metrics = {f"critic/{k}": v for k, v in out.items() if k != "loss"}
-    metrics["loss/value"] = out.get("loss", 0.0)
-    return metrics
+    out = _run_epochs(cfg, batch, critic.shuffle_gen, micro_loss, list(critic.model.parameters()),
+                      critic.optimizer, counters, "critic")
+    return CriticMetrics(
+        critic_vf_clipfrac=out["vf_clipfrac"], critic_vpred_mean=out["vpred_mean"], critic_grad_norm=out["grad_norm"],
+        loss_value=out.get("loss", 0.0),
+        critic_explained_var=_explained_variance(old_values, returns, batch.mask),
+    )
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over the masked tokens of this rank ([B, R] each)."""
+    var_r = float(A.masked_mean((returns - A.masked_mean(returns, mask)) ** 2, mask))
+    resid = returns - values
+    var_e = float(A.masked_mean((resid - A.masked_mean(resid, mask)) ** 2, mask))
+    return 1.0 - var_e / var_r if var_r > 0 and math.isfinite(var_r) else 0.0
