@@ -172,8 +172,9 @@ def test_sigint_stops_a_run_cleanly_and_releases_its_directory(tmp_path: Path) -
     lines = [line for line in err.splitlines() if line.startswith("polyrl run:")]
     assert lines[0].startswith("polyrl run: backend cpu")  # the run log's first line names the backend
     assert lines[1].startswith("polyrl run: rollout engine hf")  # then the engine and why
-    assert "Traceback" not in err and len(lines) == 3 and "stopped by SIGINT at step" in lines[2], err
-    assert "the same command resumes from step" in lines[2]
+    assert lines[2].startswith("polyrl run: rollout correction off")  # then whether the correction is on, and why
+    assert "Traceback" not in err and len(lines) == 4 and "stopped by SIGINT at step" in lines[3], err
+    assert "the same command resumes from step" in lines[3]
     assert all((p / "COMPLETE").exists() for p in (out / "checkpoints").glob("step_????????"))
     check_unlocked(out)  # the lock went with the process
 
@@ -250,7 +251,8 @@ def test_non_finite_updates_in_a_row_abort_without_a_checkpoint(
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[0].startswith("polyrl run: backend cpu (polyrl ")  # the run log names its backend first
     assert lines[1].startswith("polyrl run: rollout engine hf")  # then the engine and why
-    assert len(lines) == 3 and "not finite" in lines[2] and "in a row" in lines[2]
+    assert lines[2].startswith("polyrl run: rollout correction off")
+    assert len(lines) == 4 and "not finite" in lines[3] and "in a row" in lines[3]
     assert "Traceback" not in err
     assert not any((out / "checkpoints").glob("step_*"))
 
