@@ -6,7 +6,8 @@ finished within 90 s on 2 CPU cores, last-10 reward >= 0.9 and >= first-10 + 0.5
 
     python bench/recipe_tiny.py                      # both recipes, seeds 0 1 2, one after the other
     python bench/recipe_tiny.py --jobs 3             # several at once, each pinned to its own 2 cores
-                                                     # (taskset; for a bigger machine emulating 2 cores)
+                                                     # (taskset; for a bigger machine emulating 2 cores;
+                                                     # --cores-per-job N to give each N, 0 not to pin)
     python bench/recipe_tiny.py --backend cuda --set rollout.engine=vllm   # recipe overrides for every run
 
 With a verified engine (vllm) each row also has the largest sync-probe difference of the run (prefill and
@@ -93,7 +94,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to 2 cores (needs taskset)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once, each pinned to --cores-per-job cores (taskset)")
+    ap.add_argument("--cores-per-job", type=int, default=2,
+                    help="cores each of several jobs is pinned to (default 2: the CI machine; 0: not pinned). A vllm "
+                         "engine's cold build (torch.compile) on 2 cores takes minutes: give vllm runs more")
     ap.add_argument("--backend", default=None, help="e.g. cpu on a machine that also has an accelerator")
     ap.add_argument("--emulate", action="store_true",
                     help="pass --emulate (--backend ascend: its code on the CPU through the emulator, not an NPU)")
@@ -109,7 +113,8 @@ def main() -> int:
         while queue and len(running) < args.jobs:
             slot = next(i for i in range(args.jobs) if i not in running)
             recipe, seed = queue.pop(0)
-            cores = f"{2 * slot},{2 * slot + 1}" if args.jobs > 1 else None
+            n = args.cores_per_job
+            cores = ",".join(str(n * slot + c) for c in range(n)) if args.jobs > 1 and n > 0 else None
             run_dir = work / f"{recipe}-s{seed}"
             running[slot] = (recipe, seed, run_dir, *_start(recipe, seed, run_dir, cores, args.backend, args.emulate,
                                                                  tuple(args.overrides)))
