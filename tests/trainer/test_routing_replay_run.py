@@ -127,3 +127,18 @@ def test_r3_with_the_hf_engine_and_one_update_per_step_is_the_off_run_exactly(tm
         assert r3["rollout/routing_mismatch"] == 0.0 and r3["actor/routing_changed"] == 0.0
         same = {k: v for k, v in off.items() if not k.startswith(("time/", "memory/"))}
         assert same == {k: r3[k] for k in same}
+
+
+@pytest.mark.parametrize("mode", ["r3", "r2"])
+def test_the_lora_reference_routes_by_its_own_router(mode: str, tmp_path: Path, run_cli, read_metrics) -> None:
+    """Under LoRA the reference is the actor with its adapters off: the same router modules, the same hooks. Its
+    log-prob pass declares no routing, so the hooks must not be left in the mode of the actor's last old-log-prob
+    micro-batch (r3: forcing that micro-batch's routes on another one, which raised on the token count or silently
+    routed the reference by the actor's routes when the counts happened to match)."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["recipes/gpt_oss_dapo_tiny.yaml", "--output", str(out), "rollout.engine=hf",
+                          f"rollout.routing_replay={mode}", "model.lora.enabled=true", "model.lora.rank=4",
+                          "algorithm.use_kl_in_reward=true", "algorithm.micro_batch_tokens=48", *SMALL])
+    assert rc == 0, err
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(math.isfinite(r["loss/total"]) for r in rows)

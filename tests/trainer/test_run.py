@@ -368,3 +368,15 @@ def test_a_fresh_start_drops_a_killed_runs_history(tmp_path: Path) -> None:
     (run / "metrics.jsonl").write_text(_line(1, 0.1) + _line(2, 0.2))
     RunDir(run).open("a: 1\n", resume_step=None).close()
     assert (run / "metrics.jsonl").read_text() == ""
+
+
+def test_a_run_with_the_kl_loss_trains_and_reports_it(tmp_path: Path, run_cli, read_metrics) -> None:
+    """``algorithm.use_kl_loss``: the KL term is aggregated as the policy loss is (it called ``aggregate`` with the
+    policy loss's keyword ``agg`` and raised a TypeError at the first update)."""
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["recipes/gpt_oss_dapo_tiny.yaml", "--output", str(out), "rollout.engine=hf",
+                          "algorithm.use_kl_loss=true", "trainer.total_steps=2", "data.batch_size=4", "rollout.n=4",
+                          "algorithm.mini_batch_size=8", "trainer.save_every=0"])
+    assert rc == 0, err
+    rows = read_metrics(out)
+    assert len(rows) == 2 and all(math.isfinite(r["loss/kl"]) for r in rows)

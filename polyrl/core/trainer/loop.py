@@ -241,6 +241,11 @@ class Trainer:
                                "forward bypasses its router modules)")
         if record:
             batch.routes = recorded
+        if replay is not None:
+            # The reference's forward declares no routing, and under LoRA it *is* the actor (adapters off: the same
+            # routers, the same hooks): left as the last micro-batch above set them, the hooks would force its routes
+            # on the reference's micro-batches (r3) or record them (r2).
+            replay.idle()
         ref_logp = kl_ref = None
         ref_fw = {k: v for k, v in fw.items() if k != "replay"}  # the reference routes by its own router
         with m.reference() as ref:  # the frozen copy, or the actor with its LoRA adapters off

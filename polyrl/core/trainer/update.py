@@ -146,7 +146,8 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters:
         loss = pg
         if alg.use_kl_loss and ref_logp is not None:
             kl = A.kl_penalty(logp, ref_logp[rows], alg.kl_kind)
-            kl_loss = A.aggregate(kl, mask, **agg)
+            kl_loss = A.aggregate(kl, mask, alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq,
+                                  max_len=cfg.rollout.max_response_length)
             loss = loss + alg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach() * n_tok / max(1.0, float(mask.sum()))
         if alg.entropy_coeff > 0:
