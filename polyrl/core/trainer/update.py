@@ -138,7 +138,8 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters:
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
         logp, ent = policy_forward(model, batch, rows, **forward, compute_entropy=alg.entropy_coeff > 0)  # [b, R]
         mask, old, adv = token_mask[rows], old_logp[rows], advantages[rows]
-        agg = dict(agg=alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq, max_len=cfg.rollout.max_response_length)
+        totals = dict(global_tokens=n_tok, global_seqs=n_seq, max_len=cfg.rollout.max_response_length)
+        agg = dict(agg=alg.loss_agg_mode, **totals)
         # the clip fractions come with the loss: they describe its ratio (clamped log-ratio)
         pg, metrics = A.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
                                     clip_c=alg.clip_c, weights=None if is_weights is None else is_weights[rows],
@@ -146,8 +147,7 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters:
         loss = pg
         if alg.use_kl_loss and ref_logp is not None:
             kl = A.kl_penalty(logp, ref_logp[rows], alg.kl_kind)
-            kl_loss = A.aggregate(kl, mask, alg.loss_agg_mode, global_tokens=n_tok, global_seqs=n_seq,
-                                  max_len=cfg.rollout.max_response_length)
+            kl_loss = A.aggregate(kl, mask, alg.loss_agg_mode, **totals)
             loss = loss + alg.kl_loss_coef * kl_loss
             metrics["kl_loss"] = kl_loss.detach() * n_tok / max(1.0, float(mask.sum()))
         if alg.entropy_coeff > 0:
