@@ -49,9 +49,10 @@ class CudaBackend(Backend):
             "gpu_memory_utilization": 0.5,  # vLLM's cap where the KV cache is not sized (no batch size given)
             "size_kv_cache": True,  # the KV cache the rollout needs, not half the GPU (70 GB for a tiny model)
             "sleep_level": 1,  # weights to host memory, KV cache freed while training
-            # a build in seconds, not minutes (docs/rollout.md, measured): vLLM's eager kernels with full CUDA graphs
-            # of the decode batches (no torch.compile), captured for the batch sizes a rollout has
-            "compile": False,
+            # torch.compile kept (its custom ops match the trainer; eager ones drifted past the probe's bar at 20B),
+            # CUDA graphs captured only for the batch sizes a rollout has: GPT-OSS-20B builds in 38.5 s, not 80.2 s
+            # (docs/rollout.md, measured)
+            "compile": True,
             "graph_sizes": "rollout",
             # logits in fp32 (vLLM's head_dtype override): the log-probs the trainer compares in fp32
             "logits_fp32": True,
