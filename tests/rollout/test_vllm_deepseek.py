@@ -50,6 +50,7 @@ def test_what_polyrl_writes_for_serving_a_deepseek_model_loads_in_vllm(tmp_path,
     meta = save_model_metadata(tmp_path / "ckpts", model, None)
     written = json.loads((meta / "config.json").read_text())
     assert written["topk_method"] == "noaux_tc" and written["scoring_func"] == "sigmoid"
+    assert written["moe_router_dtype"] == "float32"  # vLLM's gate then routes on fp32 logits, as transformers'
     assert getattr(model.config, "topk_method", None) is None  # the trainer's own config is left alone
     rebuilt = build_model_from_metadata(meta)
     rebuilt.load_state_dict(model.state_dict())
