@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,29 +75,42 @@ def trainer_logprobs(model: Any, sequences: list[list[int]], *, packed: bool, pa
 def probe_diffs(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> tuple[float, float]:
     """Largest |engine - trainer| log-prob over the probe tokens (prefill) and over tokens the engine samples at
     decode time (``decode_probe_diff``, where the engine has it); each maximised over ranks."""
-    prefill, decode, _ = _probe(engine, model, sequences, **forward)
-    return prefill, decode
+    probe = _probe(engine, model, sequences, **forward)
+    return probe.prefill, probe.decode
 
 
-def _probe(engine: Any, model: Any, sequences: list[list[int]],
-           **forward: Any) -> tuple[float, float, list[list[int]]]:
-    """:func:`probe_diffs` and the sequences the engine's decode probe had the trainer score (what it sampled:
-    the tokens the decode difference is measured on, so the tokens its rounding floor must be measured on)."""
+class _Probe(NamedTuple):
+    """:func:`probe_diffs`' two differences, and per path the tokens they were measured on with the trainer's
+    log-probs of them (what a rounding floor of that path starts from): the probe sequences for prefill, what the
+    engine's decode probe sampled for decode."""
+
+    prefill: float
+    decode: float
+    prefill_tokens: list[list[int]]
+    prefill_logprobs: list[list[float]]
+    decode_tokens: list[list[int]]
+    decode_logprobs: list[list[float]]
+
+
+def _probe(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> _Probe:
     mine = trainer_logprobs(model, sequences, **forward)
     theirs = engine.score(sequences)
     prefill = max(abs(a - b) for m, t in zip(mine, theirs) for a, b in zip(m, t))
     decode = 0.0
     decoded: list[list[int]] = []
+    decoded_logprobs: list[list[float]] = []
     probe = getattr(engine, "decode_probe_diff", None)
     if callable(probe):  # prefill (``score``) does not run the decode kernels
 
         def score(seqs: list[list[int]]) -> list[list[float]]:
+            logprobs = trainer_logprobs(model, seqs, **forward)
             decoded.extend(list(s) for s in seqs)
-            return trainer_logprobs(model, seqs, **forward)
+            decoded_logprobs.extend(logprobs)
+            return logprobs
 
         decode = probe(score)
     both = D.all_reduce_(torch.tensor([prefill, decode], dtype=torch.float64), "max")
-    return float(both[0].item()), float(both[1].item()), decoded
+    return _Probe(float(both[0].item()), float(both[1].item()), sequences, mine, decoded, decoded_logprobs)
 
 
 def probe_diff(engine: Any, model: Any, sequences: list[list[int]], **forward: Any) -> float:
@@ -177,7 +190,7 @@ FLOOR_SEED = 4321
 
 
 def precision_floor(model: Any, sequences: list[list[int]], dtype: str, *, draws: int = FLOOR_DRAWS,
-                    seed: int = FLOOR_SEED,
+                    seed: int = FLOOR_SEED, clean: list[list[float]] | None = None,
                     **forward: Any) -> float:
     """How far rounding at ``dtype`` alone moves the trainer's probe log-probs: the largest |difference| between
     the trainer's log-probs and the same forward with ``u * eps`` relative noise (u uniform in [-1, 1], eps the
@@ -186,7 +199,8 @@ def precision_floor(model: Any, sequences: list[list[int]], dtype: str, *, draws
     routers sit near ties (random-init MoE at full width) moves by this much from rounding alone, which no fixed
     bar can tell from a fault. Costs ``draws + 1`` forwards of the probe."""
     eps = float(torch.finfo(getattr(torch, dtype)).eps) / 2
-    clean = trainer_logprobs(model, sequences, **forward)
+    if clean is None:  # the trainer's own log-probs of ``sequences``, where the caller has them already
+        clean = trainer_logprobs(model, sequences, **forward)
     worst = 0.0
     for draw in range(draws):
         with _rounding_noise(model, eps, seed + draw):
@@ -208,19 +222,22 @@ def verify(engine: Any, model: Any, sequences: list[list[int]], dtype: str, **fo
     if not is_verified(engine):
         return {}
     fixed = tolerance("rollout.sync_probe", dtype)
-    prefill, decode, decoded = _probe(engine, model, sequences, **forward)
+    probe = _probe(engine, model, sequences, **forward)
+    prefill, decode = probe.prefill, probe.decode
     metrics = {"rollout/sync_probe_diff": max(prefill, decode), "rollout/sync_probe_prefill": prefill,
                "rollout/sync_probe_decode": decode}
     bars = {"prefill": fixed, "decode": fixed}
     factor = tolerance("rollout.sync_probe_floor_factor", dtype) if dtype in ("bfloat16", "float16") else None
     notes = []
-    for path, diff, seqs, suffix in (("prefill", prefill, sequences, ""), ("decode", decode, decoded, "_decode")):
+    for path, diff, seqs, clean, suffix in (
+            ("prefill", prefill, probe.prefill_tokens, probe.prefill_logprobs, ""),
+            ("decode", decode, probe.decode_tokens, probe.decode_logprobs, "_decode")):
         if factor is None or diff <= fixed or not seqs:
             continue
-        floor, draws = precision_floor(model, seqs, dtype, draws=FLOOR_DRAWS, **forward), FLOOR_DRAWS
+        floor, draws = precision_floor(model, seqs, dtype, draws=FLOOR_DRAWS, clean=clean, **forward), FLOOR_DRAWS
         if diff > max(fixed, factor * floor):  # before stopping the run: a closer look at the floor
             more = precision_floor(model, seqs, dtype, draws=FLOOR_DRAWS_BEFORE_STOP, seed=FLOOR_SEED + FLOOR_DRAWS,
-                                   **forward)
+                                   clean=clean, **forward)
             floor, draws = max(floor, more), FLOOR_DRAWS + FLOOR_DRAWS_BEFORE_STOP
         bars[path] = max(fixed, factor * floor)
         metrics[f"rollout/sync_probe_floor{suffix}"], metrics[f"rollout/sync_probe_bar{suffix}"] = floor, bars[path]
