@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -20,7 +21,9 @@ from polyrl.core.distributed.sharding import (
     check_sharding,
     clip_grad_norm,
     decoder_layers,
+    sharding_policy,
 )
+from polyrl.core.dtypes import compute_dtype
 from polyrl.core.errors import BadInputError
 
 
@@ -143,3 +146,44 @@ def test_run_nproc_refuses_bad_input_before_launching(capsys: pytest.CaptureFixt
     assert "data.batch_size (32) must be a multiple of" in capsys.readouterr().err
     assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "2", "no.such=1", "--output", str(out)]) == 2
     assert not out.exists()
+
+
+def test_the_recipe_sets_the_mixed_precision_dtypes() -> None:
+    for backend in (CpuBackend(), CudaBackend(), AscendBackend()):
+        own = backend.sharding_policy()
+        assert sharding_policy(backend, ShardingConfig()) == own  # null: the backend's policy as it is
+        mixed = sharding_policy(backend, ShardingConfig(param_dtype="bfloat16", reduce_dtype="bfloat16"))
+        assert (mixed.param_dtype, mixed.reduce_dtype) == ("bfloat16", "bfloat16")
+        assert dataclasses.replace(mixed, param_dtype=own.param_dtype, reduce_dtype=own.reduce_dtype) == own
+    with pytest.raises(BadInputError, match=r"sharding.param_dtype: expected one of .* got str 'fp8'"):
+        load_config("gpt_oss_dapo_tiny.yaml", ["sharding.param_dtype=fp8"])
+
+
+@pytest.mark.parametrize("recipe", ["gpt_oss_dapo_tiny.yaml", "deepseek_ppo_tiny.yaml", "deepseek_ppo_tiny_vllm.yaml"])
+def test_the_tiny_recipes_compute_alike_at_any_process_count(recipe: str) -> None:
+    """One process never shards (it computes in model.dtype); a sharded run computes in the FSDP2 param_dtype. The
+    tiny recipes pin it to their model.dtype, so --nproc 2 is the 1-process numerics on every backend (bf16 compute
+    made gpt_oss_dapo_tiny plateau on 2 processes: docs/distributed.md, "Mixed precision")."""
+    cfg = load_config(recipe)
+    for backend in (CpuBackend(), CudaBackend(), AscendBackend()):
+        policy = sharding_policy(backend, cfg.sharding)
+        assert compute_dtype(cfg.model.dtype, policy.param_dtype, sharded=True) == cfg.model.dtype, backend.name
+
+
+def test_fsdp2_gathers_parameters_in_the_recipes_param_dtype() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        outputs = {}
+        for param_dtype in (None, "bfloat16"):
+            torch.manual_seed(0)
+            m = Wrapped()
+            apply_sharding(m, CpuBackend(), ShardingConfig(param_dtype=param_dtype))
+            outputs[param_dtype] = m.model.layers[0](torch.randn(2, 4)).dtype
+            weight = m.model.layers[0].weight
+            assert weight.dtype == torch.float32  # the sharded master weights stay float32 either way
+        assert outputs == {None: torch.float32, "bfloat16": torch.bfloat16}
+    finally:
+        dist.destroy_process_group()

@@ -234,3 +234,15 @@ def test_the_rollout_engine_is_the_trainers_choice():
     cfg.rollout.engine = "nope"
     with pytest.raises(BadInputError, match="unknown rollout engine 'nope'"):
         plan_memory(cfg, backends["cuda"], nproc=8)
+
+
+def test_the_plan_gathers_in_the_recipes_param_dtype():
+    cuda = get_registry().backends["cuda"]
+    fp32_master = load_config("gpt_oss_dapo", ["model.dtype=float32"])
+    own = plan_memory(fp32_master, cuda, nproc=8)  # the backend's bf16 compute
+    fp32_master.sharding.param_dtype = "float32"
+    full = plan_memory(fp32_master, cuda, nproc=8)
+    cpu = plan_memory(load_config("gpt_oss_dapo", ["model.dtype=float32"]), get_registry().backends["cpu"], nproc=8)
+    # float32 gathers as the cpu backend's own float32 policy does, twice the bytes of bf16 compute
+    assert full.rows["gathered layers (FSDP2)"] == pytest.approx(cpu.rows["gathered layers (FSDP2)"], rel=1e-9)
+    assert full.rows["gathered layers (FSDP2)"] > 1.5 * own.rows["gathered layers (FSDP2)"]

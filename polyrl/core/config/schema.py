@@ -218,8 +218,13 @@ class TrainerConfig:
 @dataclass
 class ShardingConfig:
     # FSDP2 under torchrun (--nproc > 1): fully_shard per decoder layer, then the root. Mixed precision
-    # comes from the backend (fp32 on cpu; bf16 params / fp32 reduce on accelerators).
+    # comes from the backend (fp32 on cpu; bf16 params / fp32 reduce on accelerators) unless set below.
     enabled: bool = True
+    # FSDP2 mixed precision: the dtype the sharded forward and backward compute in (parameters gathered in it) and
+    # the dtype gradients are reduced in. null: the backend's sharding policy. A run in one process never shards, so
+    # it computes in model.dtype: param_dtype equal to model.dtype makes 1 and N processes compute alike.
+    param_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     # Keep sharded params, grads and optimizer state in host memory (accelerator backends only).
     cpu_offload: bool = False
     # Free gathered layer weights after forward (less memory, one more all-gather in backward).

@@ -6,15 +6,18 @@ holds what is left (embeddings, final norm, LM head / value head). The model its
 parallelism; this module is the only place that wraps it.
 
 Two inputs, two owners: the recipe's choices are :class:`polyrl.core.config.ShardingConfig` (``sharding:``:
-enabled, CPU offload, resharding after forward); what the backend imposes is its
-:class:`~polyrl.core.plugins.backend.ShardingPolicy` (``Backend.sharding_policy()``: fp32 params and reductions on
-the CPU reference, bf16 params with fp32 gradient reduction on accelerators, refused world sizes, SUM
-reduction). The optimizer always holds fp32 sharded master weights. Without a process group (a single process) sharding is skipped and
-the model is returned as is: the 1-process run is the plain reference the N-process run must match.
+enabled, CPU offload, resharding after forward, and the mixed-precision dtypes where it sets them); what the backend
+imposes is its :class:`~polyrl.core.plugins.backend.ShardingPolicy` (``Backend.sharding_policy()``: fp32 params and
+reductions on the CPU reference, bf16 params with fp32 gradient reduction on accelerators, refused world sizes, SUM
+reduction). :func:`sharding_policy` is the two merged: the recipe's ``sharding.param_dtype`` /
+``sharding.reduce_dtype`` replace the policy's where set. The optimizer always holds fp32 sharded master weights.
+Without a process group (a single process) sharding is skipped and the model is returned as is: the 1-process run
+is the plain reference the N-process run must match.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -27,7 +30,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from polyrl.core.config.schema import RunConfig
-    from polyrl.core.plugins.backend import Backend
+    from polyrl.core.plugins.backend import Backend, ShardingPolicy
 
 # Attribute paths where decoder layers live in the model families polyrl trains (HF causal LMs keep
 # them at ``model.layers``; a critic wrapping a backbone at ``backbone.model.layers``).
@@ -69,18 +72,32 @@ def check_placement(cfg: RunConfig, backend: Backend, world_size: int) -> None:
         )
 
 
+def sharding_policy(backend: Backend, settings: ShardingConfig | None = None) -> ShardingPolicy:
+    """The backend's ``ShardingPolicy`` with the recipe's mixed-precision choices (``sharding.param_dtype`` /
+    ``sharding.reduce_dtype``, where set) in place of its own: what FSDP2, the memory plan and the sync probe's
+    tolerance use."""
+    policy = backend.placement.sharding_policy()
+    if settings is None:
+        return policy
+    changes = {field: getattr(settings, field) for field in ("param_dtype", "reduce_dtype")
+               if getattr(settings, field, None) is not None}
+    return dataclasses.replace(policy, **changes) if changes else policy
+
+
 def check_sharding(backend: Backend, world_size: int, settings: ShardingConfig) -> None:
     """Refuse the recipe's ``settings`` where the backend's policy cannot honour them, and world sizes its
     collective library refuses, with a message that says what to change."""
     backend.placement.check_world_size(world_size)
-    policy = backend.placement.sharding_policy()
+    policy = sharding_policy(backend, settings)
     if settings.cpu_offload and not policy.cpu_offload_supported:
         raise BadInputError(
             f"backend {backend.name!r} does not support sharding.cpu_offload "
             f"(on the cpu backend parameters already live in host memory); set sharding.cpu_offload=false"
         )
     for field in ("param_dtype", "reduce_dtype"):
-        torch_dtype(getattr(policy, field), what=f"backend {backend.name!r} sharding policy {field}")
+        what = (f"sharding.{field}" if getattr(settings, field, None) is not None
+                else f"backend {backend.name!r} sharding policy {field}")
+        torch_dtype(getattr(policy, field), what=what)
     ep = settings.expert_parallel
     if ep < 1:
         raise BadInputError(f"sharding.expert_parallel: expected an integer >= 1, got {ep}")
@@ -142,7 +159,7 @@ def apply_sharding(model: nn.Module, backend: Backend, settings: ShardingConfig 
 
     world_size = dist.get_world_size()
     check_sharding(backend, world_size, settings)
-    policy = backend.placement.sharding_policy()
+    policy = sharding_policy(backend, settings)
     kwargs = {
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=torch_dtype(policy.param_dtype, what=f"backend {backend.name!r} sharding policy param_dtype"),

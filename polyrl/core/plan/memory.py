@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyrl.core.config import RunConfig
 from polyrl.core.data.packing import micro_batch_token_bound, packs_documents
+from polyrl.core.distributed.sharding import sharding_policy
 from polyrl.core.dtypes import compute_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.models.lm_head import uses_fused_logprobs
@@ -342,7 +343,7 @@ def plan_memory(cfg: RunConfig, backend: Backend, *, nproc: int = 1, nnodes: int
         device, capacity = backend.placement.device_memory_gib(local_world_size=nproc)
     if capacity <= 0:
         raise BadInputError(f"device memory must be > 0 GiB, got {capacity}")
-    policy = backend.placement.sharding_policy()
+    policy = sharding_policy(backend, cfg.sharding)
     sharded = world > 1 and cfg.sharding.enabled
     s = _DTYPE_BYTES[cfg.model.dtype]  # storage: parameters, gradients, optimizer states
     c = _DTYPE_BYTES.get(compute_dtype(cfg.model.dtype, policy.param_dtype, sharded=sharded), s)

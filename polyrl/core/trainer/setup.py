@@ -20,6 +20,7 @@ import torch
 from polyrl.core import algorithms as A
 from polyrl.core.config import RunConfig
 from polyrl.core.data.packing import packs_documents
+from polyrl.core.distributed.sharding import sharding_policy
 from polyrl.core.dtypes import lowest_precision, torch_dtype
 from polyrl.core.errors import BadInputError
 from polyrl.core.models.lm_head import fused_kernel_for
@@ -297,9 +298,13 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
     critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, packed, pad_id)
               if models.critic is not None else None)
     probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)
-    # The bar of the lowest precision among the model's dtype, the backend's FSDP compute dtype (its policy's, even
-    # in one process: the bar of the sharded run) and the engine's dtype (an engine may generate in its own).
-    probe_dtype = lowest_precision(cfg.model.dtype, backend.placement.sharding_policy().param_dtype,
+    # The bar of the lowest precision among the model's dtype, the FSDP compute dtype (the recipe's
+    # sharding.param_dtype where set, even in one process: the bar of the sharded run), the backend's own policy
+    # dtype (kept where the recipe asks for more: an accelerator engine's float32 is not the trainer's, e.g. the
+    # tiny GPT-OSS float32 vLLM engine on an H200 differs from the float32 trainer by up to 0.13 nats on the probe,
+    # docs/rollout.md) and the engine's dtype (an engine may generate in its own).
+    probe_dtype = lowest_precision(cfg.model.dtype, sharding_policy(backend, cfg.sharding).param_dtype,
+                                   backend.placement.sharding_policy().param_dtype,
                                    str(getattr(engine, "dtype", cfg.model.dtype)))
     return Components(task, tokenizer, models, state, engine, rollout, actor, critic, probe, probe_dtype,
                       engine_choice)
