@@ -14,7 +14,8 @@
 #   9. the vllm rollout engine, where vLLM is importable (bench/vllm_carry.sh brings it to an offline machine):
 #      its life per model (bench/vllm_engine.py: build, sync s/GiB, probe in prefill and decode, sleep / wake),
 #      then the tiny recipes on rollout.engine=vllm, seeds $GPU_CHECK_SEEDS (bench/recipe_tiny.py --set; 5 cores a job:
-#      an engine's cold build on the CI's 2 cores takes minutes)
+#      an engine's cold build on the CI's 2 cores takes minutes), one run at a time whatever GPU_CHECK_JOBS says:
+#      vLLM's sleep asserts on the GPU's free memory, which another process's engine moves (docs/rollout.md)
 # Writes everything under ${GPU_CHECK_OUT:-gpu_check_out}/ and prints a summary; exit 1 if a step failed.
 #
 #   bash bench/gpu_check.sh            # all steps
@@ -93,7 +94,7 @@ if want 9 && $PY -c "import vllm" 2>/dev/null; then
   step vllm_engine $PY bench/vllm_engine.py --backend cuda ${GPU_VLLM_MODELS:-} --out "$OUT/vllm_engine.json"
   # shellcheck disable=SC2086
   step vllm_recipes $PY bench/recipe_tiny.py --backend cuda --set rollout.engine=vllm --recipes ${GPU_VLLM_RECIPES:-gpt_oss_dapo_tiny deepseek_ppo_tiny_vllm} \
-    --seeds $SEEDS --jobs "${GPU_CHECK_JOBS:-1}" --cores-per-job 5 --out "$OUT/recipe_tiny_cuda_vllm.json"
+    --seeds $SEEDS --jobs 1 --cores-per-job 5 --out "$OUT/recipe_tiny_cuda_vllm.json"  # one vllm engine per GPU: docs/rollout.md
 elif want 9; then
   echo "=== vllm: not run: vllm is not importable here (bench/vllm_carry.sh, docs/rollout.md)" | tee -a "$OUT/not_run.txt"
 fi
