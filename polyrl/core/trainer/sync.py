@@ -197,7 +197,7 @@ def precision_floor(model: Any, sequences: list[list[int]], dtype: str, *, draws
     unit roundoff of ``dtype``) added to the output of every linear layer and compute block, over ``draws`` seeded
     draws, maximised over ranks. An engine in ``dtype`` rounds at other places than the trainer; a model whose
     routers sit near ties (random-init MoE at full width) moves by this much from rounding alone, which no fixed
-    bar can tell from a fault. Costs ``draws + 1`` forwards of the probe."""
+    bar can tell from a fault. Costs ``draws`` forwards of the probe, one more where ``clean`` is not given."""
     eps = float(torch.finfo(getattr(torch, dtype)).eps) / 2
     if clean is None:  # the trainer's own log-probs of ``sequences``, where the caller has them already
         clean = trainer_logprobs(model, sequences, **forward)
