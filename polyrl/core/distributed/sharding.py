@@ -80,7 +80,7 @@ def sharding_policy(backend: Backend, settings: ShardingConfig | None = None) ->
     if settings is None:
         return policy
     changes = {field: getattr(settings, field) for field in ("param_dtype", "reduce_dtype")
-               if getattr(settings, field, None) is not None}
+               if getattr(settings, field) is not None}
     return dataclasses.replace(policy, **changes) if changes else policy
 
 
@@ -95,7 +95,7 @@ def check_sharding(backend: Backend, world_size: int, settings: ShardingConfig) 
             f"(on the cpu backend parameters already live in host memory); set sharding.cpu_offload=false"
         )
     for field in ("param_dtype", "reduce_dtype"):
-        what = (f"sharding.{field}" if getattr(settings, field, None) is not None
+        what = (f"sharding.{field}" if getattr(settings, field) is not None
                 else f"backend {backend.name!r} sharding policy {field}")
         torch_dtype(getattr(policy, field), what=what)
     ep = settings.expert_parallel
