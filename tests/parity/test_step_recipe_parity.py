@@ -52,10 +52,14 @@ def test_step_level_both_recipes_pass_with_every_quantity_measured(backend_under
 def test_step_level_fails_a_backend_with_a_kernel_bug():
     rows = run_parity(WrongScaleBackend(), ("step",), recipes=("gpt_oss_dapo_tiny",))
     cases = _by_case(rows)
-    # measured: loss 7.8x its bar, grad norm 4.4x, median tensor update 59x (the emulated ascend backend, a
-    # correct kernel in another order, measures < 2e-3 of each bar)
+    # measured: loss 5.2x its bar, worst tensor update 3.7x, median tensor update 60x (the emulated ascend backend,
+    # a correct kernel in another order, measures < 2e-3 of each bar). The grad norm is one scalar, where the bug's
+    # effects can cancel: 1.07x its bar with the recipe's entropy bonus (0.001), 4.4x without it — it must fail,
+    # with no margin asked of it.
     for q in ("actor loss", "actor grad norm", "actor update, worst tensor", "actor update, median tensor"):
-        assert cases[q].status == FAIL and cases[q].error > 2 * cases[q].bar, rows
+        assert cases[q].status == FAIL and cases[q].error > cases[q].bar, rows
+    for q in ("actor loss", "actor update, worst tensor", "actor update, median tensor"):
+        assert cases[q].error > 2 * cases[q].bar, rows
 
 
 @pytest.mark.parametrize("backend_under_test", BACKENDS, indirect=True)

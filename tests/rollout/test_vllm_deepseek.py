@@ -44,8 +44,9 @@ def test_what_polyrl_writes_for_serving_a_deepseek_model_loads_in_vllm(tmp_path,
 
     from polyrl.core.run.export import build_model_from_metadata, save_model_metadata
 
-    for key, value in get_registry().backends["cpu"].rollout_engine_options("vllm")["env"].items():
-        monkeypatch.setenv(key, value)  # what the engine sets: in-process engine core, 1 GiB of KV cache
+    options = get_registry().backends["cpu"].rollout_engine_options("vllm")
+    for key, value in options["env"].items():
+        monkeypatch.setenv(key, value)  # what the engine sets: the in-process engine core
     model = _deepseek()
     meta = save_model_metadata(tmp_path / "ckpts", model, None)
     written = json.loads((meta / "config.json").read_text())
@@ -56,7 +57,8 @@ def test_what_polyrl_writes_for_serving_a_deepseek_model_loads_in_vllm(tmp_path,
     rebuilt.load_state_dict(model.state_dict())
     rebuilt.save_pretrained(tmp_path / "export")
     llm = LLM(model=str(tmp_path / "export"), skip_tokenizer_init=True, dtype="float32", max_model_len=64,
-              enforce_eager=True, enable_prefix_caching=False, seed=0)
+              enforce_eager=True, enable_prefix_caching=False, seed=0,
+              kv_cache_memory_bytes=options["kv_cache_bytes"])  # the engine's 1 GiB, not a share of host memory
     try:
         seq = sync.probe_sequences(model.config, VOCAB, max_len=64)
         params = VllmSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
