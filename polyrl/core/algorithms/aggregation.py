@@ -35,10 +35,11 @@ def _as_list(masks: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]
 
 
 def _all_reduce_sum(value: torch.Tensor, group: object | None) -> torch.Tensor:
-    """SUM-all-reduce ``value`` when torch.distributed is initialised; identity otherwise."""
+    """SUM-all-reduce ``value`` over the ranks of a multi-process run; identity in one process (also where a
+    process group of world size 1 exists: an in-process vLLM engine sets one up for itself)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
     return value
 
@@ -49,7 +50,7 @@ def global_token_count(mask: torch.Tensor | Sequence[torch.Tensor], group: objec
     Args:
         mask: [B, T] 0/1 mask, or a sequence of them (one per micro-batch of this rank's mini-batch).
         group: process group for the all-reduce (None = default group). Ignored when
-            torch.distributed is not initialised. Every rank of the group must call this.
+            the run is one process (a group of world size 1 included). Every rank of the group must call this.
     Returns:
         the global count as a Python int (the denominator of ``token-mean``).
     """

@@ -136,9 +136,11 @@ def is_main_process() -> bool:
 
 
 def barrier() -> None:
+    """Wait for every rank; nothing in one process (where an in-process vLLM engine's own process group of world
+    size 1 would otherwise be asked)."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from polyrl.core import distributed as D
 from polyrl.core.run.integrity import MetadataUnpickler, read_metadata
 
 
@@ -59,7 +60,8 @@ def dcp_load(state_dict: dict[str, Any], path: str | os.PathLike[str]) -> None:
     # (inside dcp.load it would come back wrapped in a per-rank CheckpointException).
     read_metadata(Path(path) / ".metadata")
     with quiet_single_process():
-        dcp.load(state_dict, storage_reader=_safe_reader(Path(path)), planner=_safe_planner())
+        dcp.load(state_dict, storage_reader=_safe_reader(Path(path)), planner=_safe_planner(),
+                 no_dist=not D.is_distributed())
 
 
 @contextlib.contextmanager

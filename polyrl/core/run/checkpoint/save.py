@@ -95,7 +95,7 @@ def _write_and_publish(root: Path, tmp: Path, final: Path, step: int, sd: dict[s
     rank, world = D.get_rank(), D.get_world_size()
     writer, written = hashing_storage_writer(tmp)  # each file is hashed as it is written (integrity.py)
     with quiet_single_process():
-        dcp.save(sd, storage_writer=writer)
+        dcp.save(sd, storage_writer=writer, no_dist=not D.is_distributed())
     extra = extra_state(state, backend)
     (tmp / "extra").mkdir(parents=True, exist_ok=True)
     buf = io.BytesIO()
