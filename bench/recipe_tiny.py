@@ -134,6 +134,7 @@ def main() -> int:
             res = _summarise(recipe, seed, wall, proc.returncode, run_dir, tail, args.backend)
             results.append(res)
             print(json.dumps(res), flush=True)
+            _write_report(args, results, complete=False)  # a run cut short keeps what finished
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)
     results.sort(key=lambda r: (r["recipe"], r["seed"]))
@@ -147,10 +148,16 @@ def main() -> int:
               + (f"  step {r['median_step_s']:.3f} s" if r["median_step_s"] else "")
               + (f"  probe max {r['sync_probe_max']:.2g} over {r['syncs_checked']} syncs, sync {r['median_sync_s']:.2f} s"
                  if "sync_probe_max" in r else ""))
+    _write_report(args, results, complete=True)
+    return 0 if all(r["meets_bar"] for r in results) else 1
+
+
+def _write_report(args: argparse.Namespace, results: list[dict], *, complete: bool) -> None:
+    """The results JSON, rewritten after every finished run (``complete`` false until the last one)."""
     report = {"host": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "backend": args.backend,
               "overrides": args.overrides,
               "emulate": args.emulate, "sink_route": os.environ.get("POLYRL_ASCEND_SINK"), "python": sys.version.split()[0],
-              "results": results}
+              "complete": complete, "results": sorted(results, key=lambda r: (r["recipe"], r["seed"]))}
     try:
         import torch
 
@@ -159,7 +166,6 @@ def main() -> int:
         pass
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1))
-    return 0 if all(r["meets_bar"] for r in results) else 1
 
 
 if __name__ == "__main__":
