@@ -153,11 +153,12 @@ def main() -> int:
 
 
 def _write_report(args: argparse.Namespace, results: list[dict], *, complete: bool) -> None:
-    """The results JSON, rewritten after every finished run (``complete`` false until the last one)."""
+    """The results JSON, rewritten after every finished run (``complete`` false until the last one; the final
+    write has them sorted by recipe and seed, as ``main`` prints them)."""
     report = {"host": platform.node(), "cpus": os.cpu_count(), "jobs": args.jobs, "backend": args.backend,
               "overrides": args.overrides,
               "emulate": args.emulate, "sink_route": os.environ.get("POLYRL_ASCEND_SINK"), "python": sys.version.split()[0],
-              "complete": complete, "results": sorted(results, key=lambda r: (r["recipe"], r["seed"]))}
+              "complete": complete, "results": results}
     try:
         import torch
 
