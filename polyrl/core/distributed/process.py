@@ -109,8 +109,9 @@ def exit_if_a_peer_ended_first() -> None:
 def end_process(rc: int, *, alone: bool = False) -> int:
     """Leave the process group the way the outcome allows; returns ``rc``.
 
-    Finished (0), aborted (1) or refused (2): every rank's work is done (a barrier), then a peer that leaves is
-    no failure, and the group is destroyed cleanly. A stopped torchrun worker (128+N) exits at once without the
+    Finished (0), aborted (1) or refused (2): every rank's work is done (a barrier), every rank stops watching
+    its peers, and only after a second barrier may one leave: then a peer that leaves is no failure, and the
+    group is destroyed cleanly. A stopped torchrun worker (128+N) exits at once without the
     interpreter's teardown, which would destroy a process group whose peers are gone (C++ threads still
     joinable: "terminate called without an active exception", SIGABRT); its files are closed by then. A torchrun
     worker of a several-process run that ended cleanly leaves the same way after the group is destroyed
@@ -122,8 +123,10 @@ def end_process(rc: int, *, alone: bool = False) -> int:
 
     several = D.is_distributed()
     if rc in (0, 1, 2) and not alone:
-        D.barrier()
+        D.barrier()  # every rank's work is done
         L.unwatch_peers()
+        D.barrier()  # every rank has stopped watching: only now may one leave (a peer out of the first
+        # barrier and gone before this rank's main thread ran again was judged a mid-run failure)
         D.shutdown_distributed()
         if several and D.under_torchrun():
             leave_now(rc)
