@@ -119,7 +119,30 @@ def test_many_small_tiles(monkeypatch, window):
     """Tiny tiles: documents and windows cross many tile borders; fully visible tiles skip the mask."""
     monkeypatch.setattr(reference_attention, "BLOCK_Q", 8)
     monkeypatch.setattr(reference_attention, "BLOCK_K", 16)
+    monkeypatch.setattr(reference_attention, "SHORT_DOC", 0)  # every document through the tiles
     run_and_compare([1, 40, 3, 70, 1], 4, 2, 8, 12, torch.float32, window, "random", seed=3)
+
+
+@pytest.mark.parametrize("short_doc,group_scores", [(0, 1 << 22), (1000, 1 << 22), (40, 1), (40, 4 * 37 * 37)])
+@pytest.mark.parametrize("window,sink", [(None, "random"), (3, None), (128, 30.0)])
+def test_every_split_between_dense_documents_and_tiles(monkeypatch, short_doc, group_scores, window, sink):
+    """All tiled (0), all dense (1000), and both in one batch with dense groups of one document each (a budget
+    of 1 score) or of several of one padded length."""
+    monkeypatch.setattr(reference_attention, "SHORT_DOC", short_doc)
+    monkeypatch.setattr(reference_attention, "SHORT_GROUP_SCORES", group_scores)
+    run_and_compare(DOCS, 4, 2, 16, 24, torch.float32, window, sink, seed=8)
+
+
+def test_short_documents_take_the_dense_path(monkeypatch):
+    """A batch of short documents (an RL batch of short answers) builds no tile; a long one only tiles."""
+    tiled = []
+    real = reference_attention._forward
+    monkeypatch.setattr(reference_attention, "_forward", lambda q, *a: tiled.append(q.shape[0]) or real(q, *a))
+    q, k, v, sinks, cu, _ = make_inputs([20] * 30 + [300], 4, 2, 8, 8, torch.float32, "random", 9)
+    varlen_attention(q, k, v, cu, sinks=sinks, backend="cpu")
+    assert tiled == [300]  # the 30 short documents went dense
+    groups, lens = reference_attention._short_groups(cu.tolist(), 4)
+    assert [len(g) for g in groups] == [30] and lens == [20]
 
 
 def test_zero_length_document_and_single_token():
