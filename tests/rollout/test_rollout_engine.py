@@ -90,3 +90,42 @@ def test_filter_logits_top_k_and_top_p() -> None:
     # mass before the 3rd token is 0.8 >= 0.8: it is dropped; the first two stay
     assert torch.isinf(filter_logits(logits, 0.8, -1)).tolist() == [[False, False, True, True]]
     assert torch.isinf(filter_logits(logits, 0.81, -1)).tolist() == [[False, False, False, True]]
+
+
+def test_repeated_prompts_are_prefilled_once_and_sample_as_alone(model) -> None:
+    """The n samples of a prompt share its prefill (one row per distinct prompt), and each row samples what it
+    samples alone with its seed: same tokens, same log-probs to the engine's tolerance."""
+    prompts = [p for p in PROMPTS for _ in range(3)][::-1]  # 12 rows, 4 distinct prompts, not grouped in order
+    seeds = list(range(100, 112))
+    widths = []
+    real = model.forward
+
+    def spy(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape)
+        return real(*args, **kwargs)
+
+    engine = build_engine("hf", model, pad_token_id=0)
+    model.forward = spy
+    try:
+        out = engine.generate(prompts, SamplingParams(max_tokens=4), row_seeds=seeds)
+    finally:
+        del model.forward
+    assert widths[0][0] == len(PROMPTS) and all(w[0] == len(prompts) for w in widths[1:]), widths
+    for p, s, r, lp in zip(prompts, seeds, out.response_ids, out.logprobs):
+        alone = engine.generate([p], SamplingParams(max_tokens=4), row_seeds=[s])
+        assert alone.response_ids[0] == r
+        assert relative_error(torch.tensor(lp), torch.tensor(alone.logprobs[0])) <= tolerance("rollout.logprobs",
+                                                                                               "float32")
+
+
+def test_row_uniforms_are_the_single_draws_in_blocks() -> None:
+    from polyrl.core.rollout.sampling import RowUniforms, next_uniforms, row_generators
+
+    seeds = [0, 7, 2**61 + 3]
+    gens = row_generators(seeds)
+    single = torch.stack([next_uniforms(gens, "cpu") for _ in range(11)], dim=1)  # [B, 11]
+    for block in (1, 4, 64):
+        rows = RowUniforms(seeds, "cpu", total=11, block=block)
+        assert torch.equal(torch.stack([rows.at(t) for t in range(11)], dim=1), single), block
+    with pytest.raises(ValueError, match="in order"):
+        RowUniforms(seeds, "cpu", total=11).at(1)

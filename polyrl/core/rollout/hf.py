@@ -2,9 +2,11 @@
 
 Colocated by construction: the engine holds a reference to the training model, so there is nothing to
 sync after an update. Prompts are left-padded into one batch; the attention mask carries the padding and
-``position_ids`` count real tokens only, so a padded prompt sees exactly what it would alone. Every step
-feeds one token per row through the model's cache (transformers ``DynamicCache``); rows that stopped keep
-decoding padding (cheaper than re-batching) and are cut off afterwards. The loop ends when every row has
+``position_ids`` count real tokens only, so a padded prompt sees exactly what it would alone. A prompt that
+appears several times in the batch (the n samples of one prompt in GRPO / DAPO / PPO) is prefilled once and its
+KV cache rows copied to each of its samples (prefix sharing: the prefill costs the distinct prompts' tokens).
+Every step feeds one token per row through the model's cache (transformers ``DynamicCache``); rows that stopped
+keep decoding padding (cheaper than re-batching) and are cut off afterwards. The loop ends when every row has
 stopped or ``max_tokens`` is reached.
 """
 
@@ -19,7 +21,7 @@ from polyrl.core import distributed as D
 from polyrl.core.models.lora import merged_for_generation
 from polyrl.core.models.routing import replay_of
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
-from polyrl.core.rollout.sampling import next_uniforms, row_generators, sample_inverse_cdf
+from polyrl.core.rollout.sampling import RowUniforms, sample_inverse_cdf
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -119,14 +121,18 @@ class HFEngine:
         S = max(len(p) for p in prompts)
         if min(len(p) for p in prompts) == 0:
             raise ValueError("empty prompt")
-        ids = torch.full((B, S), self.pad_token_id, dtype=torch.long, device=device)
-        mask = torch.zeros((B, S), dtype=torch.long, device=device)
-        for i, p in enumerate(prompts):  # left padding: the last prompt token of every row is at S - 1
-            ids[i, S - len(p) :] = torch.tensor(p, dtype=torch.long, device=device)
+        distinct, row_of = _distinct(prompts)
+        U = len(distinct)
+        ids = torch.full((U, S), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((U, S), dtype=torch.long)
+        for i, p in enumerate(distinct):  # left padding: the last prompt token of every row is at S - 1
+            ids[i, S - len(p) :] = torch.tensor(p, dtype=torch.long)
             mask[i, S - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, S]: 0 at each row's first real token
+        ids, mask = ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [U, S]: 0 at each row's first real token
+        expand = None if U == B else torch.tensor(row_of, dtype=torch.long, device=device)  # [B] -> prefill row
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=device)
-        gens = row_generators(seeds)  # CPU: the same uniforms on every backend
+        uniforms = RowUniforms(seeds, device, params.max_tokens)  # CPU generators: the same uniforms on every backend
 
         was_training = model.training
         model.eval()
@@ -141,11 +147,14 @@ class HFEngine:
                 logits = model(
                     input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
                     use_cache=True,
-                ).logits[:, -1].float()  # [B, V]
+                ).logits[:, -1].float()  # [B, V] ([U, V] at the prefill)
+                if t == 0 and expand is not None:  # each sample of a prompt gets that prompt's cache rows
+                    logits, mask, step_pos = logits[expand], mask[expand], step_pos[expand]
+                    cache.reorder_cache(expand)
                 logits = logits / params.temperature
                 logp_all = torch.log_softmax(logits, dim=-1)
                 probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
-                nxt = sample_inverse_cdf(probs, next_uniforms(gens, device))  # [B]
+                nxt = sample_inverse_cdf(probs, uniforms.at(t))  # [B]
                 nxt = torch.where(done, torch.full_like(nxt, self.pad_token_id), nxt)
                 tokens[:, t] = nxt
                 logps[:, t] = logp_all.gather(-1, nxt[:, None]).squeeze(-1)
@@ -171,15 +180,25 @@ class HFEngine:
         )
 
 
+def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The distinct prompts in order of first appearance, and for each row the index of its prompt among them."""
+    first: dict[tuple[int, ...], int] = {}
+    row_of = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    return list(first), row_of
+
+
 def _split_routes(recorded: list[list[torch.Tensor]], prompts: list[list[int]],
                   responses: list[list[int]]) -> list[torch.Tensor]:
     """Per row, the experts of each token it ran, [P + R - 1, L, k] (RolloutOutput.routes), from the routers' record of
-    one ``_generate_batch``: per layer, call 0 is the prefill ([B * S, k], row-major over the left-padded [B, S]),
-    call t >= 1 the decode step that ran response token t - 1 ([B, k])."""
-    B, S = len(prompts), max(len(p) for p in prompts)
+    one ``_generate_batch``: per layer, call 0 is the prefill of the distinct prompts ([U * S, k], row-major over the
+    left-padded [U, S]; row i's prompt is ``_distinct(prompts)[1][i]``), call t >= 1 the decode step that ran
+    response token t - 1 ([B, k])."""
+    S = max(len(p) for p in prompts)
+    distinct, row_of = _distinct(prompts)
+    expand = torch.tensor(row_of, dtype=torch.long)
     per_layer = []
     for calls in recorded:  # one MoE layer
-        prefill = calls[0].view(B, S, -1)
+        prefill = calls[0].view(len(distinct), S, -1)[expand.to(calls[0].device)]  # [B, S, k]
         decode = torch.stack(calls[1:], dim=1) if len(calls) > 1 else prefill[:, :0]  # [B, steps, k]
         per_layer.append((prefill, decode))
     out = []

@@ -28,6 +28,29 @@ def next_uniforms(gens: list[torch.Generator], device: torch.device | str) -> to
     return u.to(device, non_blocking=True)
 
 
+class RowUniforms:
+    """The uniforms of ``next_uniforms`` called once per token, drawn ``block`` tokens at a time: one draw of n
+    values from a CPU generator gives the n values of n single draws, in order (torch's CPU uniform kernel is
+    serial; tests/rollout/test_sampling_uniforms.py holds it to that), so token t of row i gets the same uniform
+    with a B-th of the host calls. ``at(t)`` for t = 0, 1, 2, ... in order; ``total``: tokens at most (no
+    block reaches past it)."""
+
+    def __init__(self, seeds: list[int], device: torch.device | str, total: int, block: int = 64) -> None:
+        self.gens = row_generators(seeds)
+        self.device, self.total, self.block = device, int(total), int(block)
+        self.start, self.table = 0, torch.empty(len(seeds), 0)
+
+    def at(self, t: int) -> torch.Tensor:
+        """float32 [B] on the device: token t's uniform of every row."""
+        if t < self.start or t > self.start + self.table.shape[1]:
+            raise ValueError(f"RowUniforms.at({t}): tokens are taken in order (next is {self.start + self.table.shape[1]})")
+        if t == self.start + self.table.shape[1]:  # the next block of every row's stream
+            self.start, n = t, max(1, min(self.block, self.total - t))
+            block = torch.stack([torch.rand(n, generator=g) for g in self.gens]) if self.gens else torch.empty(0, n)
+            self.table = block.to(self.device, non_blocking=True)
+        return self.table[:, t - self.start]
+
+
 def sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` [B, V] for the uniforms ``u`` [B]: the first token whose cumulative
     probability exceeds ``u`` (``right=True`` never lands on a zero-probability token)."""
