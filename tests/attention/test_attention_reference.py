@@ -145,6 +145,76 @@ def test_short_documents_take_the_dense_path(monkeypatch):
     assert [len(g) for g in groups] == [30] and lens == [20]
 
 
+def _layouts(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """x [T, H, E] in the layouts the dense path reads rows of without a copy, and one it copies ("gapped")."""
+    t, h, e = x.shape
+    wide = torch.zeros(t, h, 2 * e)
+    wide[..., :e] = x
+    rows = torch.zeros(t * h + 3, e)[3:]  # a storage offset
+    rows.copy_(x.reshape(t * h, e))
+    return {
+        "contiguous": x.contiguous(),
+        "head-major": x.transpose(0, 1).contiguous().transpose(0, 1),  # transformers' [H, T, E] transposed
+        "sliced": wide[..., :e],  # DeepSeek's v: the first Dv columns of each [H, 2 Dv] row
+        "offset": rows.view(t, h, e),
+        "strided": torch.stack([x, x], dim=-1)[..., 0],  # elements two apart: still a row view
+        "gapped": torch.stack([x, x], dim=1)[:, 0],  # token rows not H rows apart: neither, copied
+    }
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "head-major", "sliced", "offset", "strided", "gapped"])
+def test_dense_path_reads_every_layout(layout):
+    """The dense path gathers rows straight from q, k, v and dO as laid out (no copy where a row view exists);
+    every layout gives the contiguous inputs' output and gradients bit for bit."""
+    lengths = [8, 13, 1, 9, 12, 3]
+    q, k, v, sinks, cu, d_out = make_inputs(lengths, 4, 2, 8, 6, torch.float32, "random", 21)
+    results = {}
+    for name in ("contiguous", layout):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        s_leaf = sinks.clone().requires_grad_(True)
+        ins = [_layouts(x)[name] for x in leaves]
+        out = varlen_attention(*ins, cu, window=3, sinks=s_leaf, backend="cpu")
+        out.backward(_layouts(d_out)[name])
+        results[name] = [out, *(x.grad for x in leaves), s_leaf.grad]
+    assert all(torch.equal(a, b) for a, b in zip(results["contiguous"], results[layout]))
+    x = _layouts(q)[layout]
+    view, _ = reference_attention._row_view(x)
+    assert (view.data_ptr() == x.data_ptr()) == (layout != "gapped")
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_dense_padding_rows_that_see_no_key(window):
+    """A window shorter than a group's padding leaves a padding row of a short document with no causal key; its
+    LSE' must not poison the gradients of the real rows (no sink to fall back on)."""
+    run_and_compare([1, 2, 9, 12], 2, 1, 8, 8, torch.float32, window, None, seed=22)
+
+
+def test_dense_plan_is_built_once_per_batch(monkeypatch):
+    """Every layer's forward and backward of one batch shares one plan; another batch or another split builds
+    its own."""
+    built = []
+    real = reference_attention._ShortPlan.__init__
+
+    def spy(self, cu, *a):
+        built.append(tuple(cu))
+        real(self, cu, *a)
+
+    monkeypatch.setattr(reference_attention._ShortPlan, "__init__", spy)
+    monkeypatch.setattr(reference_attention, "_PLANS", {})
+    q, k, v, sinks, cu, d_out = make_inputs([20] * 6, 4, 2, 8, 8, torch.float32, "random", 23)
+    leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    for _ in range(3):  # three layers
+        varlen_attention(*leaves, cu, sinks=sinks, backend="cpu").backward(d_out)
+    assert built == [tuple(cu.tolist())]
+    varlen_attention(q[:40], k[:40], v[:40], cu[:3], sinks=sinks, backend="cpu")
+    monkeypatch.setattr(reference_attention, "SHORT_DOC", 10)  # a new split of the same batch
+    varlen_attention(q, k, v, cu, sinks=sinks, backend="cpu")
+    assert len(built) == 3
+    for i in range(2 * reference_attention._PLANS_KEPT):  # the cache stays bounded
+        varlen_attention(q[:i + 1], k[:i + 1], v[:i + 1], cu.new_tensor([0, i + 1]), backend="cpu")
+    assert len(reference_attention._PLANS) == reference_attention._PLANS_KEPT
+
+
 def test_zero_length_document_and_single_token():
     run_and_compare([0, 1, 0, 4], 2, 1, 8, 8, torch.float32, None, "random", seed=4)
     run_and_compare([1], 2, 2, 8, 8, torch.float32, 2, None, seed=5)

@@ -19,7 +19,11 @@ Short documents (at most ``SHORT_DOC`` tokens; RL batches of short prompts and a
 BLOCK_Q rows of 20-token documents computes ~BLOCK_Q / 20 times the scores anyone can see. They are sorted by length
 and cut into groups padded to the group's longest, each document a dense [L, L] score block of its own (same
 formulas, same fp32 math; at most ``SHORT_GROUP_SCORES`` scores per group). Longer documents of the same batch
-take the tiled path.
+take the tiled path. Where each document goes (the groups, their gather and scatter indices, masks) is planned once
+per batch (``_short_plan``) and shared by every layer's forward and backward; rows are read with ``index_select``
+straight from q, k, v as laid out (transformers hands them over head-major) and the forward keeps the gathered
+q (scaled), k and v of the short documents for the backward (about the size of q, k, v in fp32, padding
+included) instead of gathering them again.
 """
 
 from __future__ import annotations
@@ -173,63 +177,183 @@ def _short_groups(cu: list[int], hq: int) -> tuple[list[torch.Tensor], list[int]
     return [torch.tensor(g, dtype=torch.long) for g in groups], lens
 
 
-def _group_index(docs: torch.Tensor, length: int, starts: torch.Tensor, lens: torch.Tensor, device):
-    """Token index [n, L] of each document's rows (padding rows point at the document's first token) and the
-    valid-row mask [n, L]."""
-    j = torch.arange(length, device=device)[None, :]
-    st, ln = starts[docs].to(device)[:, None], lens[docs].to(device)[:, None]
-    valid = j < ln
-    return st + torch.where(valid, j, torch.zeros_like(j)), valid
+def _row_view(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """x [T, H, E] as a 2-D view [T * H, E] of its rows without a copy where its strides allow, and whether the
+    rows run token-major (row t * H + h; False: head-major, row h * T + t, as transformers' [H, T, E] layout
+    transposed gives). A layout that is neither is copied (token-major)."""
+    t, h, e = x.shape
+    s0, s1, s2 = x.stride()
+    if s2 == 1 or e == 1:
+        rs = s1 if h > 1 else (s0 if t > 1 else e)  # token-major: rows (t, h) one stride apart
+        if rs >= e and (h == 1 or s1 == rs) and (t == 1 or s0 == h * rs):
+            return x.as_strided((t * h, e), (rs, 1)), True
+        rs = s0 if t > 1 else (s1 if h > 1 else e)  # head-major
+        if rs >= e and (t == 1 or s0 == rs) and (h == 1 or s1 == t * rs):
+            return x.as_strided((t * h, e), (rs, 1)), False
+    return x.reshape(t * h, e), True
 
 
-def _group_mask(valid: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Allowed (query, key) pairs per document [n, 1, 1, L, L]: causal, real keys, the window."""
-    length = valid.shape[1]
-    i = torch.arange(length, device=valid.device)[:, None]
-    j = torch.arange(length, device=valid.device)[None, :]
-    allowed = (j <= i)[None] & valid[:, None, :]
-    if window is not None:
-        allowed = allowed & (i - j < window)[None]
-    return allowed[:, None, None]
+class _Group:
+    """One padded group of short documents: tok [n, L] the token of each (document, position) (padding
+    positions point at the document's first token), valid [n, L], and base, the group's first slot in the
+    concatenation of every group's n x L slots."""
+
+    __slots__ = ("tok", "valid", "base", "n", "length", "_memo")
+
+    def __init__(self, tok: torch.Tensor, valid: torch.Tensor, base: int) -> None:
+        self.tok, self.valid, self.base = tok, valid, base
+        self.n, self.length = tok.shape
+        self._memo: dict = {}
+
+    def gather_index(self, h: int, t: int, token_major: bool, heads_inner: bool) -> torch.Tensor:
+        """Rows of a [T * H, E] row view (``_row_view``) in the padded order [n, L, H] (``heads_inner``) or
+        [n, H, L]."""
+        key = ("gather", h, t, token_major, heads_inner)
+        if key not in self._memo:
+            heads = torch.arange(h, device=self.tok.device)
+            heads, tok = (heads[None, None, :], self.tok[:, :, None]) if heads_inner else (heads[None, :, None],
+                                                                                          self.tok[:, None, :])
+            self._memo[key] = (tok * h + heads if token_major else heads * t + tok).reshape(-1)
+        return self._memo[key]
+
+    def blocked(self, window: int | None) -> torch.Tensor:
+        """Forbidden (query, key) pairs per document [n, 1, 1, L, L]: not causal, padding keys, outside the window."""
+        key = ("blocked", window)
+        if key not in self._memo:
+            length = self.length
+            i = torch.arange(length, device=self.tok.device)[:, None]
+            j = torch.arange(length, device=self.tok.device)[None, :]
+            allowed = (j <= i)[None] & self.valid[:, None, :]
+            if window is not None:
+                allowed = allowed & (i - j < window)[None]
+            # A padding row sees the first key too, so that every row's LSE' is finite (a window can leave a
+            # padding row no key at all); padding rows are never scattered and carry no gradient.
+            allowed |= (~self.valid)[:, :, None] & (j == 0)[None]
+            self._memo[key] = ~allowed[:, None, None]
+        return self._memo[key]
+
+    def real_rows(self, h: int, hkv: int) -> torch.Tensor:
+        """1.0 on real rows, 0.0 on padding rows, as [n, Hkv, (H / Hkv) * L, 1] fp32."""
+        key = ("rows", h, hkv)
+        if key not in self._memo:
+            n, length = self.tok.shape
+            rows = self.valid[:, None, :].expand(n, h, length).reshape(n, hkv, (h // hkv) * length, 1)
+            self._memo[key] = rows.float()
+        return self._memo[key]
 
 
-def _dense_gather(x: torch.Tensor, index: torch.Tensor, hkv: int) -> torch.Tensor:
-    """x [T, H, E] rows at index [n, L] -> [n, Hkv, (H / Hkv) * L, E] fp32 (``_heads_major`` per document)."""
-    n, length = index.shape
-    h, e = x.shape[1], x.shape[2]
-    g = h // hkv
-    return x[index].float().view(n, length, hkv, g, e).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * length, e)
+class _ShortPlan:
+    """Where the documents of one ``cu_seqlens`` go: the long ones' tokens and cu_seqlens (``_long_docs``), the
+    short ones' padded groups, the packed tokens those cover (``tokens``: None when they are all of them) and,
+    per head count H, ``scatter_index(H)``: for each of those tokens (token-major, heads inner) its row in the
+    concatenation of the groups' [n, H, L] padded rows. Built once per batch and shared by every layer's forward
+    and backward (``_short_plan``)."""
+
+    def __init__(self, cu: list[int], hq: int, device) -> None:
+        self.long_index, self.long_cu = _long_docs(cu, device)
+        self.groups: list[_Group] = []
+        self.tokens = None
+        self._memo: dict = {}
+        self.device = device
+        if self.long_index is None:  # every document long: no dense part
+            return
+        docs, lens = _short_groups(cu, hq)
+        starts = torch.tensor(cu[:-1], dtype=torch.long)
+        doc_len = torch.diff(torch.tensor(cu, dtype=torch.long))
+        ndocs = len(cu) - 1
+        short = torch.zeros(ndocs, dtype=torch.bool)
+        doc_base = torch.zeros(ndocs, dtype=torch.long)  # per short document: its group's first slot,
+        doc_slot = torch.zeros(ndocs, dtype=torch.long)  # its index in the group, and the group's length
+        doc_glen = torch.ones(ndocs, dtype=torch.long)
+        base = 0
+        for d, length in zip(docs, lens):
+            j = torch.arange(length)[None, :]
+            valid = j < doc_len[d][:, None]
+            tok = starts[d][:, None] + torch.where(valid, j, torch.zeros_like(j))
+            self.groups.append(_Group(tok.to(device), valid.to(device), base))
+            short[d] = True
+            doc_base[d], doc_slot[d], doc_glen[d] = base, torch.arange(len(d)), length
+            base += len(d) * length
+        doc_of_tok = torch.repeat_interleave(torch.arange(ndocs), doc_len)
+        on_short = short[doc_of_tok]
+        tokens = torch.arange(cu[-1])[on_short]
+        d = doc_of_tok[tokens]
+        self._base, self._slot, self._len, self._pos = doc_base[d], doc_slot[d], doc_glen[d], tokens - starts[d]
+        self.tokens = None if bool(on_short.all()) else tokens.to(device)
+
+    def scatter_index(self, h: int) -> torch.Tensor:
+        if h not in self._memo:
+            # the row of (token, head) in the [n, H, L] rows of its group: H * base + (slot * H + head) * L + pos
+            heads = torch.arange(h)[None, :]
+            rows = (h * self._base[:, None] + (self._slot[:, None] * h + heads) * self._len[:, None]
+                    + self._pos[:, None])
+            self._memo[h] = rows.reshape(-1).to(self.device)
+        return self._memo[h]
 
 
-def _dense_scatter(dst: torch.Tensor, index: torch.Tensor, valid: torch.Tensor, x: torch.Tensor) -> None:
-    """Inverse of ``_dense_gather`` into dst [T, H, E], valid rows only."""
-    n, hkv, gl, e = x.shape
-    length = index.shape[1]
-    g = gl // length
-    rows = x.view(n, hkv, g, length, e).permute(0, 3, 1, 2, 4).reshape(n, length, hkv * g, e)
-    dst[index[valid]] = rows[valid].to(dst.dtype)
+_PLANS: dict = {}
+_PLANS_KEPT = 8  # plans of the most recent batches (one per micro-batch; a step reuses each several times)
 
 
-def _dense_scores(qb: torch.Tensor, kb: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+def _short_plan(cu: list[int], hq: int, device) -> _ShortPlan:
+    key = (tuple(cu), hq, str(device), SHORT_DOC, SHORT_GROUP_SCORES)
+    plan = _PLANS.pop(key, None)
+    if plan is None:
+        plan = _ShortPlan(cu, hq, device)
+    _PLANS[key] = plan  # most recent last
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.pop(next(iter(_PLANS)))
+    return plan
+
+
+def _gather(x: torch.Tensor, group: _Group, hkv: int) -> torch.Tensor:
+    """x [T, H, E] rows of ``group`` -> [n, Hkv, (H / Hkv) * L, E] fp32 (``_heads_major`` per document). With
+    one head per KV head (k and v always; q without GQA) the rows are gathered token-major, [n, L, H, E], and
+    returned as a permuted view; else contiguous. These are the layouts the matmuls have always been given (their
+    rounding depends on it: the same layout, the same numbers)."""
+    t, h, e = x.shape
+    rows, token_major = _row_view(x)
+    n, length = group.n, group.length
+    if h == hkv:
+        out = rows.index_select(0, group.gather_index(h, t, token_major, True)).float()
+        return out.view(n, length, h, e).permute(0, 2, 1, 3)
+    out = rows.index_select(0, group.gather_index(h, t, token_major, False)).float()
+    return out.view(n, hkv, (h // hkv) * length, e)
+
+
+def _scatter(parts: list[torch.Tensor], plan: _ShortPlan, h: int, dst: torch.Tensor | None) -> torch.Tensor:
+    """Inverse of ``_gather``: the groups' padded rows (each [n, Hkv, (H / Hkv) * L, E]) back to the packed
+    [T, H, E] (a new tensor when every document is short, else into ``dst``, short tokens only)."""
+    e = parts[0].shape[-1]
+    flat = parts[0].reshape(-1, e) if len(parts) == 1 else torch.cat([p.reshape(-1, e) for p in parts])
+    rows = flat.index_select(0, plan.scatter_index(h))
+    if plan.tokens is None:
+        return rows.view(-1, h, e)
+    dst.view(-1, h, e).index_copy_(0, plan.tokens, rows.view(-1, h, e).to(dst.dtype))
+    return dst
+
+
+def _dense_scores(qb: torch.Tensor, kb: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
     """Masked logits [n, Hkv, G * L, L] of qb [n, Hkv, G * L, D] (scaled) against kb [n, Hkv, L, D]."""
     s = torch.matmul(qb, kb.transpose(-1, -2))
     n, hkv, gl, length = s.shape
-    s.view(n, hkv, gl // length, length, length).masked_fill_(~allowed, float("-inf"))
+    s.view(n, hkv, gl // length, length, length).masked_fill_(blocked, float("-inf"))
     return s
 
 
-def _short_forward(q, k, v, cu, scale, window, sinks, out, lse_out) -> None:
-    """The short documents' O' and LSE' into out [T, Hq, Dv] and lse_out [T, Hq]."""
+def _short_forward(q, k, v, plan, scale, window, sinks, out, lse_out):
+    """The short documents' O' and LSE' ([T, Hq, Dv] and [T, Hq]: new tensors when every document is short,
+    else written into ``out`` and ``lse_out``) and, per group, what the backward needs: the gathered q (scaled),
+    k and v and the padded LSE'."""
     hq, hkv = q.shape[1], k.shape[1]
     g = hq // hkv
-    starts, lens = torch.tensor(cu[:-1]), torch.diff(torch.tensor(cu))
     sink = None if sinks is None else sinks.float().view(1, hkv, g, 1)
-    for docs, length in zip(*_short_groups(cu, hq)):
-        index, valid = _group_index(docs, length, starts, lens, q.device)
-        n = index.shape[0]
-        qb = _dense_gather(q, index, hkv) * scale
-        kb, vb = _dense_gather(k, index, hkv), _dense_gather(v, index, hkv)
-        s = _dense_scores(qb, kb, _group_mask(valid, window))
+    outs, lses, saved = [], [], []
+    for group in plan.groups:
+        n, length = group.n, group.length
+        qb = _gather(q, group, hkv).mul_(scale)  # a fresh tensor: scaled in place
+        kb, vb = _gather(k, group, hkv), _gather(v, group, hkv)
+        s = _dense_scores(qb, kb, group.blocked(window))
         m = s.amax(dim=-1)  # finite: every row sees at least itself (padding rows see the first token)
         if sink is not None:
             m = torch.maximum(m.view(n, hkv, g, length), sink).view(n, hkv, g * length)
@@ -237,33 +361,37 @@ def _short_forward(q, k, v, cu, scale, window, sinks, out, lse_out) -> None:
         lse = m + torch.log(p.sum(dim=-1) if sink is None else (p.sum(dim=-1).view(n, hkv, g, length)
                                                                  + torch.exp(sink - m.view(n, hkv, g, length))
                                                                  ).view(n, hkv, g * length))
-        o = torch.matmul(p, vb) * torch.exp(m - lse)[..., None]
-        _dense_scatter(out, index, valid, o)
-        _dense_scatter(lse_out[..., None], index, valid, lse[..., None])
+        outs.append(torch.matmul(p, vb) * torch.exp(m - lse)[..., None])
+        lses.append(lse[..., None])
+        saved.append((qb, kb, vb, lse[..., None]))
+    out = _scatter(outs, plan, hq, out)
+    lse_out = _scatter(lses, plan, hq, None if lse_out is None else lse_out[..., None])[..., 0]
+    return out, lse_out, saved
 
 
-def _short_backward(q, k, v, cu, scale, window, lse_all, delta_all, d_out, dq, dk, dv) -> None:
-    """The short documents' gradients into dq [T, Hq, D], dk and dv [T, Hkv, *] (each None when not needed)."""
+def _short_backward(q, k, v, plan, scale, window, saved, delta_all, d_out, need_dq, need_dk, need_dv,
+                    dq, dk, dv):
+    """The short documents' gradients (each None when not needed; new tensors when every document is short,
+    else written into dq [T, Hq, D], dk and dv [T, Hkv, *])."""
     hq, hkv = q.shape[1], k.shape[1]
-    starts, lens = torch.tensor(cu[:-1]), torch.diff(torch.tensor(cu))
-    for docs, length in zip(*_short_groups(cu, hq)):
-        index, valid = _group_index(docs, length, starts, lens, q.device)
-        qb = _dense_gather(q, index, hkv) * scale
-        kb, vb = _dense_gather(k, index, hkv), _dense_gather(v, index, hkv)
-        n, length, g = index.shape[0], index.shape[1], hq // hkv
-        rows = valid[:, None, None, :].expand(n, hkv, g, length).reshape(n, hkv, g * length, 1)
-        dob = _dense_gather(d_out, index, hkv) * rows  # padding rows carry no gradient
-        lse = _dense_gather(lse_all[:, :, None], index, hkv)
-        delta = _dense_gather(delta_all[:, :, None], index, hkv) * rows  # dS = 0 on padding rows
-        s = _dense_scores(qb, kb, _group_mask(valid, window))
+    dqs, dks, dvs = [], [], []
+    for group, (qb, kb, vb, lse) in zip(plan.groups, saved):
+        rows = group.real_rows(hq, hkv)
+        dob = _gather(d_out, group, hkv).mul_(rows)  # padding rows carry no gradient
+        delta = _gather(delta_all[:, :, None], group, hkv).mul_(rows)  # dS = 0 on padding rows
+        s = _dense_scores(qb, kb, group.blocked(window))
         p = torch.exp(s.sub_(lse))
-        if dv is not None:
-            _dense_scatter(dv, index, valid, torch.matmul(p.transpose(-1, -2), dob))
+        if need_dv:
+            dvs.append(torch.matmul(p.transpose(-1, -2), dob))
         ds = p.mul_(torch.matmul(dob, vb.transpose(-1, -2)).sub_(delta))
-        if dq is not None:
-            _dense_scatter(dq, index, valid, torch.matmul(ds, kb) * scale)
-        if dk is not None:
-            _dense_scatter(dk, index, valid, torch.matmul(ds.transpose(-1, -2), qb))
+        if need_dq:
+            dqs.append(torch.matmul(ds, kb) * scale)
+        if need_dk:
+            dks.append(torch.matmul(ds.transpose(-1, -2), qb))
+    dq = _scatter(dqs, plan, hq, dq) if need_dq else None
+    dk = _scatter(dks, plan, hkv, dk) if need_dk else None
+    dv = _scatter(dvs, plan, hkv, dv) if need_dv else None
+    return dq, dk, dv
 
 
 def _long_docs(cu: list[int], device) -> tuple[torch.Tensor | None, list[int]]:
@@ -289,41 +417,50 @@ class _VarlenAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, sinks, cu_seqlens, scale, window):
         cu = [int(x) for x in cu_seqlens.tolist()]
         t, hq = q.shape[:2]
-        index, sub = _long_docs(cu, q.device)
+        plan = _short_plan(cu, hq, q.device)
+        index, sub = plan.long_index, plan.long_cu
+        saved = []
         if index is None:  # every document long: the tiled path over the whole axis
             out, lse = _forward(q, k, v, cu, _doc_ids(cu, q.device), scale, window, sinks)
+        elif not index.numel() and plan.tokens is None:  # every document short: the dense path alone
+            out, lse, saved = _short_forward(q, k, v, plan, scale, window, sinks, None, None)
         else:
             out = torch.empty(t, hq, v.shape[2], dtype=torch.float32, device=q.device)
             lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
             if index.numel():
                 out[index], lse[index] = _forward(q[index], k[index], v[index], sub, _doc_ids(sub, q.device),
                                                   scale, window, sinks)
-            _short_forward(q, k, v, cu, scale, window, sinks, out, lse)
+            if plan.groups:
+                out, lse, saved = _short_forward(q, k, v, plan, scale, window, sinks, out, lse)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
-        ctx.cu, ctx.scale, ctx.window = cu, scale, window
+        ctx.cu, ctx.scale, ctx.window, ctx.plan, ctx.short_saved = cu, scale, window, plan, saved
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         need_dq, need_dk, need_dv, need_ds = ctx.needs_input_grad[:4]
-        cu, scale, window = ctx.cu, ctx.scale, ctx.window
-        index, sub = _long_docs(cu, q.device)
+        cu, scale, window, plan = ctx.cu, ctx.scale, ctx.window, ctx.plan
+        index, sub = plan.long_index, plan.long_cu
         if index is None:
             dq, dk, dv, delta = _backward(q, k, v, cu, _doc_ids(cu, q.device), scale, window, out, lse, d_out,
                                           need_dq, need_dk, need_dv)
         else:
             delta = (d_out.float() * out).sum(dim=-1)  # [T, Hq]
-            dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_dq else None
-            dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device) if need_dk else None
-            dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device) if need_dv else None
+            dq = dk = dv = None
+            if index.numel() or plan.tokens is not None:
+                dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if need_dq else None
+                dk = torch.zeros(k.shape, dtype=torch.float32, device=q.device) if need_dk else None
+                dv = torch.zeros(v.shape, dtype=torch.float32, device=q.device) if need_dv else None
             if index.numel():
                 parts = _backward(q[index], k[index], v[index], sub, _doc_ids(sub, q.device), scale, window,
                                   out[index], lse[index], d_out[index], need_dq, need_dk, need_dv)
                 for whole, part in zip((dq, dk, dv), parts[:3]):
                     if whole is not None:
                         whole[index] = part
-            _short_backward(q, k, v, cu, scale, window, lse, delta, d_out, dq, dk, dv)
+            if plan.groups:
+                dq, dk, dv = _short_backward(q, k, v, plan, scale, window, ctx.short_saved, delta, d_out,
+                                             need_dq, need_dk, need_dv, dq, dk, dv)
         d_sinks = None
         if sinks is not None and need_ds:
             p_sink = torch.exp(sinks.float()[None, :] - lse)  # [T, Hq]: the sink's share of each row
