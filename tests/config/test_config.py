@@ -106,6 +106,9 @@ def test_overrides_are_yaml_typed() -> None:
         ("optimizer=3", "optimizer: expected mapping"),
         ("optimizer.lr.x=1", "optimizer.lr is not a mapping"),
         ("justtext", "expected key.path=value"),
+        ("rollout.sleep_level=2", r"rollout.sleep_level: expected null, 0 \(awake\) or 1"),
+        ("rollout.sleep_level=true", "rollout.sleep_level: expected int"),
+        ("rollout.sleep_level=-1", r"rollout.sleep_level: expected null, 0 \(awake\) or 1"),
     ],
 )
 def test_bad_overrides_name_the_key_and_the_expectation(override: str, message: str) -> None:

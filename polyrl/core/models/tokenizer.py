@@ -7,6 +7,7 @@ unknown token). No post-processor: callers add <bos>/<eos> themselves.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -23,7 +24,7 @@ def build_tiny_tokenizer(tokens: list[str] | None = None) -> PreTrainedTokenizer
 
     tokens = list(DEFAULT_TOKENS if tokens is None else tokens)
     bad = [t for t in tokens if not t or any(c.isspace() for c in t) or t in SPECIAL_TOKENS]
-    dupes = sorted({t for t in tokens if tokens.count(t) > 1})
+    dupes = sorted(t for t, n in Counter(tokens).items() if n > 1)
     if bad or dupes:
         raise ValueError(f"tokens must be unique, non-empty, whitespace-free and not special: bad={bad} dupes={dupes}")
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *tokens))}

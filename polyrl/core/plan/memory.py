@@ -496,6 +496,14 @@ class _Rollout:
     resident_gib: float  # what the engine keeps on the device while the trainer updates
 
 
+def engine_rows(cfg: RunConfig, world: int) -> int:
+    """Sequences one generate call of a device holds, of ``world`` devices: its prompts x ``rollout.n``, or
+    ``rollout.micro_batch_size`` when smaller (what an engine with its own KV cache sizes it for)."""
+    rows = -(-cfg.data.batch_size // max(1, world)) * cfg.rollout.n
+    micro = cfg.rollout.micro_batch_size
+    return min(rows, micro) if micro > 0 else rows
+
+
 def _rollout_rows(cfg: RunConfig, backend: Backend, engine: str, config: Any, actor: ModelCount, gathered: float,
                   capacity: float, z: _Sizes, notes: list[str]) -> tuple[_Rollout, str]:
     """(the rollout's rows and what it holds awake and asleep, why the engine cannot start or "")."""
@@ -518,7 +526,8 @@ def _rollout_rows(cfg: RunConfig, backend: Backend, engine: str, config: Any, ac
     if engine == "vllm":  # its own weights inside its share of the device (polyrl.core.plan.rollout)
         vllm = vllm_plan(backend, params=actor.total, dtype_bytes=z.s, capacity_gib=capacity,
                          kv_bytes_per_token=kv_cache_bytes_per_token(config, z.s),
-                         window=getattr(config, "sliding_window", None), longest=z.longest)
+                         window=getattr(config, "sliding_window", None), longest=z.longest,
+                         rows=engine_rows(cfg, z.world), sleep_level=ro.sleep_level)
         notes.append(vllm.note)
         rows = {"engine_weights": vllm.weights_gib, "engine_reserved": vllm.share_gib}
         return _Rollout(rows, vllm.awake_gib, vllm.asleep_gib), vllm.problem
@@ -530,7 +539,8 @@ def _rollout_rows(cfg: RunConfig, backend: Backend, engine: str, config: Any, ac
         f"reserves {fraction:g} of the device (weights + KV cache)" if fraction else
         "sizes its own memory (not counted here)"))
     # an engine that never sleeps keeps its memory through the update
-    resident = reserved if not options.get("sleep_level") else 0.0
+    sleep = ro.sleep_level if ro.sleep_level is not None else options.get("sleep_level")
+    resident = reserved if not sleep else 0.0
     return _Rollout({"engine_reserved": reserved}, reserved, resident), ""
 
 

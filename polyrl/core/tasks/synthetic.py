@@ -28,7 +28,9 @@ from typing import Any
 from polyrl.core.errors import BadInputError
 from polyrl.core.tasks.example import Example
 
-DIGITS = [str(d) for d in range(10)]
+# Symbols of a task at most: the numbers 0 .. n_digits - 1, one token each (a 4M-entry vocabulary is beyond any
+# model polyrl trains; GPT-OSS's and DeepSeek-V3's are 201,088 and 129,280).
+MAX_DIGITS = 1 << 22
 
 
 def _copy(a: list[int], b: list[int], n: int) -> list[int]:
@@ -70,9 +72,10 @@ def score_symbols(answer: list[str], response: list[str], *, exact: bool = False
 class SyntheticTask:
     """One operation of the synthetic family.
 
-    Parameters: ``k`` digits per operand (default 3), ``n_digits`` distinct digit symbols (2..10,
-    default 10), ``exact`` (exact-match scoring instead of partial credit), ``offset`` (``shift``
-    only, default 1).
+    Parameters: ``k`` digits per operand (default 3), ``n_digits`` distinct digit symbols (2..MAX_DIGITS,
+    default 10; above 10 the symbols are the numbers ``0`` .. ``n_digits - 1``, each one token: a task over a
+    real-size vocabulary, e.g. 201,081 symbols fill GPT-OSS's 201,088 ids with the 4 specials and ``copy : =``),
+    ``exact`` (exact-match scoring instead of partial credit), ``offset`` (``shift`` only, default 1).
     """
 
     failure_score = 0.0
@@ -82,8 +85,8 @@ class SyntheticTask:
             raise BadInputError(f"unknown synthetic task {op!r} (known: {', '.join(OPERATIONS)})")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
             raise BadInputError(f"task {op}: k must be an integer in 1..64, got {k!r}")
-        if not isinstance(n_digits, int) or isinstance(n_digits, bool) or not 2 <= n_digits <= 10:
-            raise BadInputError(f"task {op}: n_digits must be an integer in 2..10, got {n_digits!r}")
+        if not isinstance(n_digits, int) or isinstance(n_digits, bool) or not 2 <= n_digits <= MAX_DIGITS:
+            raise BadInputError(f"task {op}: n_digits must be an integer in 2..{MAX_DIGITS}, got {n_digits!r}")
         if not isinstance(offset, int) or isinstance(offset, bool):
             raise BadInputError(f"task {op}: offset must be an integer, got {offset!r}")
         if offset % n_digits == 0 and op == "shift":
@@ -101,7 +104,7 @@ class SyntheticTask:
         return f"SyntheticTask({self.name!r}, k={self.k}, n_digits={self.n_digits}, exact={self.exact})"
 
     def vocab(self) -> list[str]:
-        symbols = [*DIGITS[: self.n_digits], self.name, ":", "="]
+        symbols = [*(str(d) for d in range(self.n_digits)), self.name, ":", "="]
         if self._two_operands:
             symbols.append("+")
         return symbols

@@ -243,10 +243,9 @@ def rollout_rows(cfg: RunConfig) -> int:
     """Sequences one generate call of this rank holds (this rank's prompts x ``rollout.n``, or
     ``rollout.micro_batch_size`` when smaller): what an engine with its own KV cache sizes it for."""
     from polyrl.core import distributed as D
+    from polyrl.core.plan.memory import engine_rows
 
-    rows = -(-cfg.data.batch_size // max(1, D.get_world_size())) * cfg.rollout.n
-    micro = cfg.rollout.micro_batch_size
-    return min(rows, micro) if micro > 0 else rows
+    return engine_rows(cfg, D.get_world_size())
 
 
 def routing_replay_for(cfg: RunConfig, actor: torch.nn.Module, engine_name: str,
@@ -286,8 +285,9 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
     actor_cfg = getattr(models.actor, "config", None)
     engine_name, engine_choice = choose_engine(cfg.rollout.engine, backend, actor_cfg)
     replay, engine_routes = routing_replay_for(cfg, models.actor, engine_name, backend)
+    sleep = {} if cfg.rollout.sleep_level is None else {"sleep_level": cfg.rollout.sleep_level}
     engine = build_engine(engine_name, models.actor, pad_token_id=pad_id, backend=backend, max_model_len=max_len,
-                          sampling=sampling, max_num_seqs=rollout_rows(cfg), **engine_routes)
+                          sampling=sampling, max_num_seqs=rollout_rows(cfg), **engine_routes, **sleep)
     if cfg.model.lora.enabled and hasattr(engine, "merge_adapters"):  # the hf engine (polyrl.core.rollout.hf)
         engine.merge_adapters = cfg.model.lora.merge_for_rollout
     rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,
