@@ -106,3 +106,30 @@ def test_import_polyrl_is_light_and_registers_lazily(tmp_path):
     proc = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True, text=True, check=True)
     data = json.loads(proc.stdout.strip().splitlines()[-1])
     assert data == {"heavy": [], "impl": "polyrl", "mask": True}
+
+
+def test_a_preset_drawn_on_a_device_keeps_the_seed_and_the_callers_generators():
+    """build_model(device=...): drawn there under the seed (on the host device the very draws of the default), the
+    global generator untouched; a run's model.init_device=device builds the same model on the CPU backend."""
+    import torch
+
+    from polyrl.core.config import load_config
+    from polyrl.core.models import build_model
+    from polyrl.core.plugins import get_registry
+    from polyrl.core.trainer.setup import build_models
+
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    host = build_model("gpt_oss_tiny", vocab_size=16, seed=3)
+    there = build_model("gpt_oss_tiny", vocab_size=16, seed=3, device="cpu")
+    other = build_model("gpt_oss_tiny", vocab_size=16, seed=4, device="cpu")
+    assert torch.equal(torch.random.get_rng_state(), before)
+    a, b, c = host.state_dict(), there.state_dict(), other.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a) and all(v.device.type == "cpu" for v in b.values())
+    assert not all(torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())  # the seed is used
+    cfg = load_config("gpt_oss_dapo_tiny", ["model.init_device=device"])
+    cpu = get_registry().backends["cpu"]
+    built = build_models(cfg, 12, cpu, torch.device("cpu")).actor.state_dict()
+    cfg.model.init_device = "host"
+    default = build_models(cfg, 12, cpu, torch.device("cpu")).actor.state_dict()
+    assert built.keys() == default.keys() and all(torch.equal(built[k], default[k]) for k in built)

@@ -48,6 +48,10 @@ class ModelConfig:
     # linear_logprobs kernel), never the [tokens, vocab] logits. auto: where the model allows it (an nn.Linear
     # lm_head, no logit post-processing); true: required (refused otherwise); false: the logits path.
     fused_logprobs: bool | Literal["auto"] = "auto"
+    # Where a one-process run makes its weights: "host" (drawn or loaded in host memory, then moved: the same
+    # random draws on every backend, what CPU <-> GPU parity needs) or "device" (drawn or loaded straight on the
+    # device: minutes faster at GPT-OSS-20B size; a random init then draws other values than the host's).
+    init_device: Literal["host", "device"] = "host"
     # Architecture keys passed to the model config (hidden_size, num_hidden_layers, ...).
     overrides: dict[str, Any] = field(default_factory=dict)
     # Critic (PPO): same architecture as the actor unless named; a scalar value head on top.

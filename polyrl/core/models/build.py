@@ -7,6 +7,8 @@ checkpoint is dequantized to ``dtype`` at load, :mod:`polyrl.core.models.checkpo
 
 from __future__ import annotations
 
+import contextlib
+
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +34,7 @@ def build_model(
     seed: int | None = None,
     backend: Backend | str | None = None,
     meta: bool = False,
+    device: torch.device | str | None = None,
 ) -> PreTrainedModel:
     """Build a causal LM.
 
@@ -51,6 +54,9 @@ def build_model(
         meta: the same architecture (parameters, buffers, dtypes) on the meta device, no weight read or drawn:
             what the ranks other than 0 of a sharded run build before rank 0's weights are loaded into their
             shards (:mod:`polyrl.core.distributed.loading`).
+        device: where the weights are drawn or loaded (None: host memory). A preset drawn on an accelerator
+            uses that device's generator (seeded by ``seed``, its state restored after): other values than on
+            the host.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -81,7 +87,8 @@ def build_model(
                                      **experts)
         else:
             model = AutoModelForCausalLM.from_pretrained(
-                path, config=config, attn_implementation=attn_implementation, dtype=dtype, **experts
+                path, config=config, attn_implementation=attn_implementation, dtype=dtype, **experts,
+                **({"device_map": torch.device(device)} if device is not None else {}),
             )
         if vocab_size is not None and vocab_size != model.get_input_embeddings().weight.shape[0]:
             model.resize_token_embeddings(vocab_size)
@@ -98,7 +105,10 @@ def build_model(
         config.pad_token_id = 0  # a preset's pad id beyond a task's small vocabulary (embedding row 0 is as good)
     if meta:
         return _on_meta(config, dtype, attn_implementation, experts, backend)
-    with torch.random.fork_rng(devices=[]):
+    where = torch.device(device) if device is not None else None
+    accelerator = where is not None and where.type != "cpu"
+    with torch.random.fork_rng(devices=[where] if accelerator else [], device_type=where.type if accelerator else "cuda"), \
+            (where if where is not None else contextlib.nullcontext()):
         if seed is not None:
             torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype,

@@ -77,7 +77,8 @@ def build_tokenizer(cfg: RunConfig, task: Any) -> Any:
 
 
 def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict, seed: int,
-              backend: Backend | None = None, meta: bool = False) -> torch.nn.Module:
+              backend: Backend | None = None, meta: bool = False,
+              device: torch.device | None = None) -> torch.nn.Module:
     from polyrl.core.models import build_model
 
     try:
@@ -86,7 +87,7 @@ def _build_lm(name: str, cfg: RunConfig, vocab_size: int | None, overrides: dict
             experts_implementation=cfg.model.experts_implementation,
             dtype=torch_dtype(cfg.model.dtype, what="model.dtype"), overrides=overrides, seed=seed,
             backend=backend,  # the model's attention runs this backend's kernel, whatever the process's is
-            meta=meta,
+            meta=meta, device=device,
         )
     except ValueError as exc:  # unknown preset / config field: the recipe's fault
         raise BadInputError(f"model: {exc}") from None
@@ -177,8 +178,10 @@ def build_models(cfg: RunConfig, vocab_size: int | None, backend: Backend, devic
             critic = ValueModel(_build_lm(critic_args[0], cfg, vocab, critic_args[1], seed + 1, backend, meta=meta))
             critic = loading.shard_from_rank0(critic, None, backend, cfg.sharding, device)
     else:
-        actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend)
-        actor = (_with_adapters(actor, cfg, seed) if lora else actor).to(device)
+        on = device if cfg.model.init_device == "device" else None  # model.init_device: drawn / loaded there
+        actor = _build_lm(cfg.model.name, cfg, vocab, dict(cfg.model.overrides), seed, backend, device=on)
+        with on or contextlib.nullcontext():
+            actor = (_with_adapters(actor, cfg, seed) if lora else actor).to(device)
         ref = copy.deepcopy(actor).eval().requires_grad_(False) if with_ref else None
         critic = None
         if critic_args is not None:
