@@ -30,7 +30,7 @@ VOCAB_SYMBOLS = 201_081  # + copy : = + <pad> <bos> <eos> <unk> = GPT-OSS's 201,
 
 def overrides(args: argparse.Namespace) -> list[str]:
     return [
-        "model.name=gpt_oss_20b", "data.task=copy", f"data.task_params={{k: {args.k}, n_digits: {VOCAB_SYMBOLS}}}",
+        "model.name=gpt_oss_20b", "model.init_device=device", "data.task=copy", f"data.task_params={{k: {args.k}, n_digits: {VOCAB_SYMBOLS}}}",
         "data.path=null", "data.prompt_format=raw", f"data.max_prompt_length={args.k + 8}",
         f"data.batch_size={args.batch}", f"rollout.max_response_length={args.response}",
         f"rollout.micro_batch_size={args.micro}", "algorithm.dynamic_sampling.enable=false",
