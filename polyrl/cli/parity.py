@@ -62,6 +62,9 @@ def _add_report_options(p: argparse.ArgumentParser) -> None:
                    help=f"recipe level: seeds, comma-separated (default {','.join(map(str, DEFAULT_SEEDS))})")
     p.add_argument("--jobs", type=_positive, default=2, help="recipe level: runs at a time (default 2)")
     p.add_argument("--output", default=None, metavar="FILE.json", help="write the JSON report to this file too")
+    p.add_argument("overrides", nargs="*", metavar="key.path=value",
+                   help="step and recipe levels: changes to both tiny recipes, on both sides of the comparison "
+                        "(e.g. model.lora.enabled=true 'model.lora.target_modules=[lm_head]')")
     p.add_argument("--plot", default=None, metavar="FILE.png",
                    help="draw the recipe level's seed-averaged reward and loss curves (needs matplotlib)")
     p.add_argument("--plot-from", default=None, metavar="REPORT.json",
@@ -100,7 +103,14 @@ def main(args: argparse.Namespace) -> int:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
     dtype = args.dtype or backend_dtype(backend)
     emulate = bool(args.emulate)
-    options = dict(steps=args.steps, seeds=args.seeds, emulate=emulate, jobs=args.jobs)
+    overrides = tuple(args.overrides or ())
+    if overrides:  # a bad override is refused now (exit 2), not after the other levels ran
+        from polyrl.core.config import load_config
+        from polyrl.parity.train import TINY_RECIPES, _recipe_spec
+
+        for recipe in TINY_RECIPES:
+            load_config(_recipe_spec(recipe), list(overrides))
+    options = dict(steps=args.steps, seeds=args.seeds, emulate=emulate, jobs=args.jobs, overrides=overrides)
     if args.json:
         rows = run_parity(backend, levels, args.dtype, **options)
     else:
@@ -111,6 +121,8 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {level:<6} compared against {REFERENCES[level].format(dtype=dtype)}")
         rows = run_parity(backend, levels, args.dtype, on_row=_print_row, **options)
     report = parity_report(backend, dtype, rows, levels, emulated=emulate)
+    if overrides:
+        report["overrides"] = list(overrides)
     if args.json:
         print(json.dumps(report, indent=2))
     if args.output:

@@ -101,13 +101,15 @@ def model_parity(backend: Backend, dtype: str, on_row: OnRow | None = None) -> l
 
 def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | None = None,
                on_row: OnRow | None = None, *, steps: int | None = None, seeds: tuple[int, ...] | None = None,
-               emulate: bool = False, jobs: int = 2, recipes: tuple[str, ...] | None = None) -> list[ParityRow]:
+               emulate: bool = False, jobs: int = 2, recipes: tuple[str, ...] | None = None,
+               overrides: tuple[str, ...] = ()) -> list[ParityRow]:
     """Rows of every level in ``levels``, in ``dtype`` (default: the backend's own, :func:`backend_dtype`, for
     ``op``/``model``; the recipe's own ``model.dtype`` for ``step``/``recipe``, which run the trainer as a
     single-process ``polyrl run`` does); ``on_row`` sees each row as it completes. ``steps``/``seeds``: the
     recipe level's run length and seeds; ``emulate``: the backend runs through its emulator (``--emulate``),
     passed on to the recipe level's ``polyrl run``; ``jobs``: recipe-level runs at a time; ``recipes``: the
-    step and recipe levels' recipes (default: both tiny recipes)."""
+    step and recipe levels' recipes (default: both tiny recipes); ``overrides``: ``key.path=value`` changes to those
+    recipes, on both sides of the comparison (e.g. ``model.lora.enabled=true``; the op and model levels have none)."""
     from polyrl.parity import train as T
 
     explicit = dtype
@@ -126,10 +128,11 @@ def run_parity(backend: Backend, levels: tuple[str, ...] = LEVELS, dtype: str | 
         elif level == "model":
             rows += model_parity(backend, dtype, on_row)
         elif level == "step":
-            T.step_parity(backend, explicit, emit, recipes or T.TINY_RECIPES)
+            T.step_parity(backend, explicit, emit, recipes or T.TINY_RECIPES, overrides)
         elif level == "recipe":
             T.recipe_parity(backend, emit, steps=steps or T.DEFAULT_STEPS, seeds=seeds or T.DEFAULT_SEEDS,
-                            emulate=emulate, jobs=jobs, dtype=explicit, recipes=recipes or T.TINY_RECIPES)
+                            emulate=emulate, jobs=jobs, dtype=explicit, recipes=recipes or T.TINY_RECIPES,
+                            overrides=overrides)
     return rows
 
 

@@ -86,7 +86,7 @@ def _load_cfg(recipe: str, dtype: str | None, seed: int, extra: Sequence[str] = 
 
 
 def step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None],
-                recipes: Sequence[str] = TINY_RECIPES) -> None:
+                recipes: Sequence[str] = TINY_RECIPES, overrides: Sequence[str] = ()) -> None:
     """Rows of the step level for both tiny recipes (see the module docstring). ``dtype``: the models'
     dtype (default: the recipe's own ``model.dtype``).
 
@@ -98,12 +98,13 @@ def step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None]
     previous = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        _step_parity(backend, dtype, emit, recipes)
+        _step_parity(backend, dtype, emit, recipes, overrides)
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
-def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None], recipes: Sequence[str]) -> None:
+def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None], recipes: Sequence[str],
+                 overrides: Sequence[str] = ()) -> None:
     import torch
 
     from polyrl.core.plugins import list_backends
@@ -112,8 +113,8 @@ def _step_parity(backend: Backend, dtype: str | None, emit: Callable[[Any], None
 
     cpu = list_backends()["cpu"]
     for recipe in recipes:
-        ref_cfg = _load_cfg(recipe, None, STEP_SEED, ["trainer.num_threads=0"])  # the recipe's dtype (fp32)
-        cfg = _load_cfg(recipe, dtype, STEP_SEED, ["trainer.num_threads=0"])
+        ref_cfg = _load_cfg(recipe, None, STEP_SEED, ["trainer.num_threads=0", *overrides])  # the recipe's dtype
+        cfg = _load_cfg(recipe, dtype, STEP_SEED, ["trainer.num_threads=0", *overrides])
         run_dtype = cfg.model.dtype
         name = f"{recipe} step"
 
@@ -224,9 +225,9 @@ def curve_statistics(dut: Sequence[float], ref: Sequence[float]) -> dict[str, fl
 
 
 def _polyrl_run(recipe: str, backend: str, seed: int, steps: int, out: Path, emulate: bool,
-                dtype: str | None = None) -> dict[str, Any]:
+                dtype: str | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "polyrl", "run", _recipe_spec(recipe), "--backend", backend, "--seed", str(seed),
-           "--output", str(out), "--no-progress", f"trainer.total_steps={steps}", "trainer.save_every=0",
+           "--output", str(out), "--no-progress", *overrides, f"trainer.total_steps={steps}", "trainer.save_every=0",
            "trainer.num_threads=1", *([f"model.dtype={dtype}"] if dtype else [])]
     if emulate:
         cmd.append("--emulate")
@@ -246,7 +247,8 @@ def _polyrl_run(recipe: str, backend: str, seed: int, steps: int, out: Path, emu
 
 def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int = DEFAULT_STEPS,
                   seeds: Sequence[int] = DEFAULT_SEEDS, emulate: bool = False, jobs: int = 2,
-                  dtype: str | None = None, recipes: Sequence[str] = TINY_RECIPES) -> None:
+                  dtype: str | None = None, recipes: Sequence[str] = TINY_RECIPES,
+                  overrides: Sequence[str] = ()) -> None:
     """Rows of the recipe level: per tiny recipe, reward MAE, final reward difference, loss MAE."""
     from polyrl.core.tolerances import TOLERANCES
     from polyrl.parity.rows import FAIL, PASS, ParityRow
@@ -257,9 +259,9 @@ def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int =
         def one(job: tuple[str, str, int]) -> dict[str, Any]:
             recipe, side, seed = job
             out = Path(tmp) / f"{recipe}-{side}-{seed}"
-            if side == "cpu":  # the reference: the recipe as written (its own dtype)
-                return _polyrl_run(recipe, "cpu", seed, steps, out, False)
-            return _polyrl_run(recipe, backend.name, seed, steps, out, emulate, dtype)
+            if side == "cpu":  # the reference: the recipe as written (its own dtype), with the same overrides
+                return _polyrl_run(recipe, "cpu", seed, steps, out, False, overrides=overrides)
+            return _polyrl_run(recipe, backend.name, seed, steps, out, emulate, dtype, overrides)
 
         with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             results = dict(zip(jobs_list, pool.map(one, jobs_list)))
@@ -270,7 +272,7 @@ def recipe_parity(backend: Backend, emit: Callable[[Any], None], *, steps: int =
         if errors:
             emit(ParityRow("recipe", f"{name}: runs", FAIL, detail=errors[0], dtype=dtype or "recipe"))
             continue
-        run_dtype = dtype or _load_cfg(recipe, None, 0).model.dtype
+        run_dtype = dtype or _load_cfg(recipe, None, 0, overrides).model.dtype
         avg = {side: {k: seed_average([r[k] for r in rs]) for k in ("reward", "loss")} for side, rs in runs.items()}
         rew = curve_statistics(avg["backend"]["reward"], avg["cpu"]["reward"])
         loss = curve_statistics(avg["backend"]["loss"], avg["cpu"]["loss"])

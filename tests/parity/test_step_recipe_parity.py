@@ -120,3 +120,22 @@ def test_report_summary_fails_a_level_with_one_failed_row_and_plots_the_curves(t
     assert polyrl_main(["parity", "--plot-from", str(tmp_path / "empty.json"), "--plot", str(png)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no recipe-level curves" in err[0]
+
+
+LORA = ("model.lora.enabled=true", "model.lora.target_modules=[lm_head]", "optimizer.lr=5e-4")
+
+
+@pytest.mark.parametrize("backend_under_test", ["ascend-emulated"], indirect=True)
+def test_the_step_level_runs_the_recipes_with_overrides_on_both_sides(backend_under_test, capsys):
+    """`polyrl parity ... key=value`: LoRA on (only adapters change, reference and backend alike), within the bars;
+    a bad override is refused in one line before any level runs."""
+    from polyrl.cli import main as polyrl_main
+
+    backend, _ = backend_under_test
+    rows = run_parity(backend, ("step",), overrides=LORA)
+    assert rows and all(r.status == PASS for r in rows), [r for r in rows if r.status != PASS]
+    worst = [r for r in rows if r.case.endswith("actor update, worst tensor")]
+    assert len(worst) == 2 and all("lora_" in r.detail for r in worst)  # the updated tensors are adapters
+    assert polyrl_main(["parity", "--backend", "cpu", "--level", "step", "model.lora.rnak=4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.lora.rnak" in err[0]

