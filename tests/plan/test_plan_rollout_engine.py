@@ -43,7 +43,12 @@ def test_the_vllm_engine_on_8_npus_of_64_gb_is_refused_saying_what_to_change() -
 
 def test_the_hf_engine_fits_and_the_vllm_engine_fits_on_80_gb_or_at_tensor_parallel_2(monkeypatch) -> None:
     assert _plan("ascend", "rollout.engine=hf").fits
-    assert _plan("cuda", "rollout.engine=vllm").fits  # 0.5 of 80 GiB holds the 39 GiB copy and a sequence's KV
+    # cuda sizes the engine's KV cache to the rollout (every layer counted full, as the engine allocates it): 16
+    # sequences of 22,528 tokens are 20.7 GiB beside its 39 GiB copy, 4 GiB over 8 GPUs of 80 GB; 8 sequences fit
+    cuda = _plan("cuda", "rollout.engine=vllm")
+    assert not cuda.fits and not cuda.engine_problem
+    assert cuda.rows[SHARE_ROW] == pytest.approx(cuda.rows[WEIGHTS_ROW] + 20.7 + 2.0, abs=0.05)
+    assert _plan("cuda", "rollout.engine=vllm", "rollout.micro_batch_size=8").fits
     ascend = type(get_registry().backends["ascend"])
     options = ascend.rollout_engine_options
     monkeypatch.setattr(ascend, "rollout_engine_options", lambda self, engine: {

@@ -106,8 +106,10 @@ def build_model(
     if meta:
         return _on_meta(config, dtype, attn_implementation, experts, backend)
     where = torch.device(device) if device is not None else None
-    accelerator = where is not None and where.type != "cpu"
-    with torch.random.fork_rng(devices=[where] if accelerator else [], device_type=where.type if accelerator else "cuda"), \
+    # a device with a generator of its own (an accelerator's module has get_rng_state; torch.cpu has none): its
+    # state is restored after the draws too
+    own = where is not None and hasattr(torch.get_device_module(where), "get_rng_state")
+    with torch.random.fork_rng(devices=[where] if own else [], device_type=where.type if own else "cuda"), \
             (where if where is not None else contextlib.nullcontext()):
         if seed is not None:
             torch.manual_seed(seed)
