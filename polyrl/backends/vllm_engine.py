@@ -432,13 +432,13 @@ class VllmEngine:
         ]
         if self.capture_routes:
             self._llm.collective_rpc(W.routes_start)
-            try:
-                outputs = self._llm.generate(requests, sampling, use_tqdm=False)
-            finally:
-                captured = self._llm.collective_rpc(W.routes_take)[0]  # every worker ran the same tokens
-            by_request = _by_request_id(captured, [o.request_id for o in outputs])
-        else:
+        try:
             outputs = self._llm.generate(requests, sampling, use_tqdm=False)
+        finally:
+            if self.capture_routes:  # every worker ran the same tokens
+                captured = self._llm.collective_rpc(W.routes_take)[0]
+        if self.capture_routes:
+            by_request = _by_request_id(captured, [o.request_id for o in outputs])
         out = RolloutOutput([], [], [], [] if self.return_routes else None)
         for o in outputs:
             c = o.outputs[0]
@@ -768,9 +768,12 @@ def write_config_dir(config: Any, architecture: str, workdir: str) -> str:
 def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str, block_tokens: int = 16) -> int:
     """Bytes of KV cache for ``max_num_seqs`` sequences of up to ``max_len`` tokens of a model of ``config``,
     every layer counted as full attention (an upper bound for sliding layers), in blocks of ``block_tokens``,
-    with a quarter more for the allocator's rounding and 64 MiB of floor: what the rollout needs, where vLLM's
-    default takes a fixed fraction of the device (70 GB of KV cache for a 36M-parameter model on an H200)."""
+    with a quarter more for the allocator's rounding and 64 MiB of floor (polyrl.core.plan.rollout
+    .sized_kv_cache_bytes, which the memory plan counts too): what the rollout needs, where vLLM's default takes
+    a fixed fraction of the device (70 GB of KV cache for a 36M-parameter model on an H200)."""
     import torch
+
+    from polyrl.core.plan.rollout import sized_kv_cache_bytes
 
     width = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     layers = int(config.num_hidden_layers)
@@ -780,8 +783,7 @@ def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str, blo
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
         per_token = layers * 2 * heads * head_dim * width
-    tokens = max_num_seqs * (-(-max_len // block_tokens) * block_tokens)
-    return int(tokens * per_token * 1.25) + (64 << 20)
+    return sized_kv_cache_bytes(per_token, max_num_seqs, max_len, block_tokens)
 
 
 # --- weights -------------------------------------------------------------------------------------------

@@ -511,7 +511,7 @@ def _rollout_rows(cfg: RunConfig, backend: Backend, engine: str, config: Any, ac
     V = config.vocab_size
     if engine == "hf":  # the trainer's model generates: KV cache and logits of the sequences generated together
         per_device = math.ceil(data.batch_size / z.world) * ro.n
-        together = min(ro.micro_batch_size, per_device) if ro.micro_batch_size > 0 else per_device
+        together = engine_rows(cfg, z.world)
         kv = 0.0
         for kind, per_token in kv_cache_bytes_per_token(config, z.c):
             held = (min(z.longest, config.sliding_window)

@@ -28,6 +28,14 @@ VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default gpu_memory_utilization
 # graphs' pools, the sampler's buffers (an estimate, checked against the measured GPT-OSS-20B run in docs/lora.md).
 VLLM_WORKSPACE_GIB = 2.0
 KV_BLOCK_TOKENS = 16  # vLLM's KV block on CUDA (the sized cache holds whole blocks)
+
+
+def sized_kv_cache_bytes(per_token: float, max_num_seqs: int, max_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
+    """Bytes of KV cache for ``max_num_seqs`` sequences of up to ``max_len`` tokens at ``per_token`` bytes per
+    token (every layer's), in whole blocks of ``block_tokens``, with a quarter more for the allocator's rounding
+    and 64 MiB of floor: what the vllm engine gives vLLM (``kv_cache_memory_bytes``) and what the plan counts."""
+    tokens = max_num_seqs * (-(-max_len // block_tokens) * block_tokens)
+    return int(tokens * per_token * 1.25) + (64 << 20)
 WEIGHTS_ROW = "rollout engine weights (vllm)"
 SHARE_ROW = "rollout engine (reserved)"  # the same row as for any engine with a share of its own
 
@@ -60,10 +68,10 @@ def vllm_plan(backend: Backend, *, params: int, dtype_bytes: int, capacity_gib: 
              for kind, per in kv_bytes_per_token) / tp / GIB
     share = util * capacity_gib
     sized = bool(options.get("size_kv_cache")) and bool(rows)
-    if sized:  # as the engine sizes it (polyrl.backends.vllm_engine.kv_cache_bytes): every layer full, + 1/4
-        block = int(options.get("kv_block_tokens", KV_BLOCK_TOKENS))
-        tokens = rows * (-(-(longest + 1) // block) * block)
-        cache = (tokens * sum(per for _, per in kv_bytes_per_token) * 1.25 + (64 << 20)) / tp / GIB
+    if sized:  # as the engine sizes it (every layer counted full; its max_model_len is the longest + 1)
+        every_layer = sum(per for _, per in kv_bytes_per_token)
+        cache = sized_kv_cache_bytes(every_layer, rows, longest + 1,
+                                     int(options.get("kv_block_tokens", KV_BLOCK_TOKENS))) / tp / GIB
         share = weights + cache + VLLM_WORKSPACE_GIB
     # the weights live inside the share: the share is what the phases count, the weights what the check reads
     problem = ""
