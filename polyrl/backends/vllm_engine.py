@@ -48,6 +48,7 @@ own value).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import importlib.util
@@ -430,15 +431,10 @@ class VllmEngine:
             )
             for seed in row_seeds
         ]
-        if self.capture_routes:
-            self._llm.collective_rpc(W.routes_start)
-        try:
+        with self._route_capture() as captured:
             outputs = self._llm.generate(requests, sampling, use_tqdm=False)
-        finally:
-            if self.capture_routes:  # every worker ran the same tokens
-                captured = self._llm.collective_rpc(W.routes_take)[0]
         if self.capture_routes:
-            by_request = _by_request_id(captured, [o.request_id for o in outputs])
+            by_request = _by_request_id(captured[0], [o.request_id for o in outputs])
         out = RolloutOutput([], [], [], [] if self.return_routes else None)
         for o in outputs:
             c = o.outputs[0]
@@ -452,6 +448,21 @@ class VllmEngine:
             out.logprobs.append([float(c.logprobs[t][tok].logprob) for t, tok in enumerate(ids)])
             out.finish_reasons.append("stop" if c.finish_reason == "stop" else "length")
         return out
+
+    @contextlib.contextmanager
+    def _route_capture(self) -> Iterator[list]:
+        """Around one generate call: the workers record the routes of what they run (``capture_routes``), and the
+        list yielded holds them afterwards (one entry: every worker ran the same tokens), also when generate
+        raised, so that no worker is left recording."""
+        captured: list = []
+        if not self.capture_routes:
+            yield captured
+            return
+        self._llm.collective_rpc(W.routes_start)
+        try:
+            yield captured
+        finally:
+            captured.append(self._llm.collective_rpc(W.routes_take)[0])
 
     def _routes(self, completion: Any, prompt_len: int, response_len: int) -> Any:
         """``CompletionOutput.routed_experts`` ([P + R - 1, layers, k] numpy ints) as RolloutOutput.routes: the MoE

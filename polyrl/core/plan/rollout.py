@@ -28,6 +28,8 @@ VLLM_DEFAULT_UTILIZATION = 0.9  # vLLM's own default gpu_memory_utilization
 # graphs' pools, the sampler's buffers (an estimate, checked against the measured GPT-OSS-20B run in docs/lora.md).
 VLLM_WORKSPACE_GIB = 2.0
 KV_BLOCK_TOKENS = 16  # vLLM's KV block on CUDA (the sized cache holds whole blocks)
+WEIGHTS_ROW = "rollout engine weights (vllm)"
+SHARE_ROW = "rollout engine (reserved)"  # the same row as for any engine with a share of its own
 
 
 def sized_kv_cache_bytes(per_token: float, max_num_seqs: int, max_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
@@ -36,8 +38,6 @@ def sized_kv_cache_bytes(per_token: float, max_num_seqs: int, max_len: int, bloc
     and 64 MiB of floor: what the vllm engine gives vLLM (``kv_cache_memory_bytes``) and what the plan counts."""
     tokens = max_num_seqs * (-(-max_len // block_tokens) * block_tokens)
     return int(tokens * per_token * 1.25) + (64 << 20)
-WEIGHTS_ROW = "rollout engine weights (vllm)"
-SHARE_ROW = "rollout engine (reserved)"  # the same row as for any engine with a share of its own
 
 
 @dataclasses.dataclass
