@@ -29,6 +29,7 @@ included) instead of gathering them again.
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import torch
 
@@ -162,8 +163,8 @@ def _backward(q, k, v, cu, doc_ids, scale, window, out, lse_all, d_out, need_dq,
 def _short_groups(cu: list[int], hq: int) -> tuple[list[torch.Tensor], list[int]]:
     """The non-empty documents of at most SHORT_DOC tokens, sorted by length and cut into groups: per group
     the document indices (an int64 tensor) and the group's padded length. Longer documents are not listed."""
-    docs = sorted((b - a, i) for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])) if 0 < b - a <= SHORT_DOC)
-    groups, lens, cur = [], [], []
+    docs = sorted((b - a, i) for i, (a, b) in enumerate(itertools.pairwise(cu)) if 0 < b - a <= SHORT_DOC)
+    groups, lens, cur, cur_len = [], [], [], 0
     for n, i in docs:  # ascending: the group's padded length is its last (longest) document's
         if cur and (len(cur) + 1) * hq * n * n > SHORT_GROUP_SCORES:
             groups.append(cur)
@@ -198,7 +199,7 @@ class _Group:
     positions point at the document's first token), valid [n, L], and base, the group's first slot in the
     concatenation of every group's n x L slots."""
 
-    __slots__ = ("tok", "valid", "base", "n", "length", "_memo")
+    __slots__ = ("_memo", "base", "length", "n", "tok", "valid")
 
     def __init__(self, tok: torch.Tensor, valid: torch.Tensor, base: int) -> None:
         self.tok, self.valid, self.base = tok, valid, base
@@ -397,7 +398,7 @@ def _short_backward(q, k, v, plan, scale, window, saved, delta_all, d_out, need_
 def _long_docs(cu: list[int], device) -> tuple[torch.Tensor | None, list[int]]:
     """The tokens of the documents longer than SHORT_DOC (an index into the packed axis; None when every
     document is long: the whole axis) and their own cu_seqlens."""
-    long_ = [(a, b) for a, b in zip(cu[:-1], cu[1:]) if b - a > SHORT_DOC]
+    long_ = [(a, b) for a, b in itertools.pairwise(cu) if b - a > SHORT_DOC]
     if len(long_) == len(cu) - 1:
         return None, cu
     sub = [0]

@@ -8,7 +8,6 @@ checkpoint is dequantized to ``dtype`` at load, :mod:`polyrl.core.models.checkpo
 from __future__ import annotations
 
 import contextlib
-
 import os
 from typing import TYPE_CHECKING, Any
 
