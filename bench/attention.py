@@ -18,11 +18,12 @@ polyrl's kernel paths run as separate implementations in the same process (polyr
 KernelOptions): ``polyrl`` (default: two-pass deterministic backward, aligned tiles, first configs),
 ``polyrl-atomic`` (fused dK/dV + atomic dQ backward), ``polyrl-band`` (exact band tiles for the window; not run
 on causal cases, where it changes nothing), ``polyrl-table`` (per-head-dim config table), ``polyrl-new`` (all
-three). --variants: every polyrl path beside FA4, FLA, cuDNN SDPA and flex on all four cases, short timing,
-a wall-clock budget (--max-wall-s, default 190 s: peers other than FA4 not started by then are reported as
-skipped), written to bench/results/attention_variants.json. --profile: instead of timing, one
-torch.profiler pass over a few fwd+bwd calls of each implementation on the first layout/window, printing the
-CUDA kernels' time per call (which kernel the time goes to).
+three); ``polyrl-selected`` is the cuda backend's kernel slot, FA4 or the Triton kernel as its rule picks per case
+(polyrl.backends.cuda.attention_choice; the pick is printed). --variants: every polyrl path beside FA4, FLA, cuDNN
+SDPA and flex on all four cases, short timing, a wall-clock budget (--max-wall-s, default 190 s: peers other than
+FA4 not started by then are reported as skipped), written to bench/results/attention_variants.json. --profile:
+instead of timing, one torch.profiler pass over a few fwd+bwd calls of each implementation on the first
+layout/window, printing the CUDA kernels' time per call (which kernel the time goes to).
 
 --quick: 4x4096 only (causal and window 128), no eager, shorter timing (do_bench warmup 5 ms / rep 20 ms),
 written to bench/results/attention_quick.json unless --out says otherwise; about a minute with cold compile
@@ -55,9 +56,10 @@ TARGETS = {("4x4096", None): (1.3, 4.2), ("4x4096", 128): (0.15, 0.5)}
 OURS = "polyrl"
 PEER_DISTS = ("flash-attn-4", "fla-core", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-base", "quack-kernels",
               "apache-tvm-ffi", "liger-kernel")
-FULL = {"layouts": "4x4096,1x16384", "windows": "none,128", "impls": "polyrl,fa4,fla,sdpa-nosink,flex,eager",
+FULL = {"layouts": "4x4096,1x16384", "windows": "none,128",
+        "impls": "polyrl,polyrl-selected,fa4,fla,sdpa-nosink,flex,eager",
         "warmup_ms": 10, "rep_ms": 50, "out": "bench/results/attention.json"}
-QUICK = {"layouts": "4x4096", "windows": "none,128", "impls": "polyrl,fa4,fla,sdpa-nosink,flex",
+QUICK = {"layouts": "4x4096", "windows": "none,128", "impls": "polyrl,polyrl-selected,fa4,fla,sdpa-nosink,flex",
          "warmup_ms": 5, "rep_ms": 20, "out": "bench/results/attention_quick.json"}
 # polyrl's kernel paths: name -> KernelOptions fields (bench name "polyrl-<path>").
 POLYRL_PATHS = {"": {}, "atomic": {"bwd": "atomic"}, "band": {"window_tiles": "band"}, "table": {"configs": "table"},
@@ -249,8 +251,23 @@ def impl_fa4(q, k, v, sinks, cu, lengths, window):
     return fwd
 
 
-IMPLS = {**{OURS + (f"-{p}" if p else ""): polyrl_impl(p) for p in POLYRL_PATHS}, "fa4": impl_fa4, "fla": impl_fla, "sdpa-nosink": impl_sdpa, "flex": impl_flex,
-         "eager": impl_eager}
+def impl_polyrl_selected(q, k, v, sinks, cu, lengths, window):
+    """The cuda backend's kernel slot (``cuda_varlen_attention``): FA4 or the Triton kernel, as its rule picks for
+    this case (polyrl.backends.cuda.attention_choice; POLYRL_CUDA_ATTENTION overrides), printed before its row."""
+    from polyrl.backends.cuda.attention import cuda_varlen_attention
+    from polyrl.backends.cuda.attention_choice import choose
+
+    print(f"polyrl-selected {len(lengths)}x{lengths[0]} window {window}: {choose(q, v, window, sinks)}", flush=True)
+
+    def fwd():
+        return cuda_varlen_attention(q, k, v, cu, scale=D**-0.5, window=window, sinks=sinks)
+
+    return fwd
+
+
+IMPLS = {**{OURS + (f"-{p}" if p else ""): polyrl_impl(p) for p in POLYRL_PATHS},
+         "polyrl-selected": impl_polyrl_selected, "fa4": impl_fa4, "fla": impl_fla, "sdpa-nosink": impl_sdpa,
+         "flex": impl_flex, "eager": impl_eager}
 
 
 def make_inputs(layout: str):

@@ -2,7 +2,9 @@
 
 ``GptOssConfig()`` defaults (hidden 2880, 64 q / 8 kv heads, 128 experts as in GPT-OSS-120B, vocab 201088)
 cut to two layers (one sliding, one full), bf16, random init, one sequence of 4k and of 16k tokens. For each
-``attn_implementation`` — "polyrl" (the cuda backend's Triton kernel), "flex_attention", "eager" — the median
+``attn_implementation`` — "polyrl" (the cuda backend's kernel slot: FA4 or its Triton kernel per layer, as
+polyrl.backends.cuda.attention_choice picks), "flex_attention", "eager", and transformers' "flash_attention_4"
+when flash_attn.cute imports — the median
 step time and the peak memory (parameters and gradients included), with transformers' own ``labels=`` loss;
 "polyrl+fused" runs the trainer's loss path instead (fused lm_head + log-prob + entropy, no logits, then DAPO's
 policy loss; ``fused_policy_loss``). Eager running out of memory at 16k is an
@@ -25,6 +27,20 @@ import torch
 ANCHORS = {16384: {"flex": "0.27 s / 60 GiB", "eager": "out of memory"}}
 
 
+DEFAULT_IMPLS = "polyrl+fused,polyrl,flex_attention,eager"
+
+
+def default_impls() -> str:
+    """DEFAULT_IMPLS, with transformers' "flash_attention_4" beside them where flash_attn.cute imports (imported
+    here, on the GPU machine, not for --help: the CuTe DSL takes seconds to load)."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as e:  # not installed, or its CUDA toolkit flavour missing: the row is left out, and said so
+        print(f"flash_attention_4 left out: flash_attn.cute does not import ({type(e).__name__}: {str(e)[:120]})")
+        return DEFAULT_IMPLS
+    return DEFAULT_IMPLS + ",flash_attention_4"
+
+
 def register_polyrl_attention() -> str:
     """Use polyrl's transformers registration when present; otherwise a minimal local adapter (bench only)."""
     os.environ.setdefault("POLYRL_BACKEND", "cuda")
@@ -40,7 +56,7 @@ def register_polyrl_attention() -> str:
         print(f"polyrl.core.attention.hf unavailable ({type(e).__name__}: {e}); using the bench adapter")
     from transformers import AttentionInterface
 
-    from polyrl.backends.cuda.attention import triton_varlen_attention
+    from polyrl.backends.cuda.attention import cuda_varlen_attention
 
     def polyrl_attention(module, query, key, value, attention_mask, scaling=None, sliding_window=None,
                          s_aux=None, **kwargs):
@@ -48,8 +64,8 @@ def register_polyrl_attention() -> str:
         assert query.shape[0] == 1, "this bench adapter handles one sequence"
         s = query.shape[2]
         cu = torch.tensor([0, s], device=query.device, dtype=torch.int32)
-        out = triton_varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                                      cu, scale=scaling, window=sliding_window, sinks=s_aux)
+        out = cuda_varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                    cu, scale=scaling, window=sliding_window, sinks=s_aux)
         return out.unsqueeze(0), None
 
     AttentionInterface.register("polyrl_bench", polyrl_attention)
@@ -119,14 +135,17 @@ def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqlens", default="4096,16384")
-    ap.add_argument("--impls", default="polyrl+fused,polyrl,flex_attention,eager",
-                    help="attn implementations; '+fused': the loss through polyrl's fused lm_head log-prob path")
+    ap.add_argument("--impls", default=None,
+                    help=f"attn implementations (default: {DEFAULT_IMPLS}, and flash_attention_4 when flash_attn.cute "
+                         "imports); '+fused': the loss through polyrl's fused lm_head log-prob path")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="bench/results/model_step.json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/model_step.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.impls is None:
+        args.impls = default_impls()
     polyrl_name = register_polyrl_attention()
     model, config = build_model()
     n_params = sum(p.numel() for p in model.parameters())

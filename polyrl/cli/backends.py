@@ -2,9 +2,10 @@
 
 For each backend: its distribution and version, whether it is available (``detect()``, isolated: an error in a
 plugin is an unavailable backend with the error's line) and healthy (its kernel paths resolve), the kernels it
-runs (``native`` when it provides them, else the reference), its capabilities (unknown names are warned about), and
-its rollout engines in order of preference (``rollout.engine: auto`` takes the first that can run), each with the
-reason it cannot run here when it cannot.
+runs (``native`` when it provides them, else the reference) and, for a kernel that picks an implementation per call
+(the cuda backend's attention: FlashAttention-4 or Triton), what runs in each case and why (``kernel_choices``),
+its capabilities (unknown names are warned about), and its rollout engines in order of preference
+(``rollout.engine: auto`` takes the first that can run), each with the reason it cannot run here when it cannot.
 Plugins that were found but not loaded — a loading rule, or an import / registration that failed — are listed
 with their distribution and the reason. Exit 0, also when a plugin is broken: this is the command that says so.
 """
@@ -48,6 +49,8 @@ def main(args: argparse.Namespace) -> int:
         for kernel, path in b["kernels"].items():
             how = "reference" if b["is_reference"] or kernel not in b["native_kernels"] else "native"
             print(f"{'':<10} {kernel}: {how} ({path})")
+            for case, what in b.get("kernel_choices", {}).get(kernel, {}).items():
+                print(f"{'':<10}   {case}: {what}")
         for line in b["problems"]:
             print(f"{'':<10} PROBLEM {line}")
         for line in b["warnings"]:

@@ -1,5 +1,6 @@
-"""The cuda backend: Triton varlen attention with sinks/window/GQA, the fused lm_head log-prob op, NCCL,
-rollout with vLLM (or the hf engine).
+"""The cuda backend: varlen attention with sinks/window/GQA (FlashAttention-4 where it measured faster, polyrl's
+Triton kernel elsewhere: attention_choice), the fused lm_head log-prob op, NCCL, rollout with vLLM (or the hf
+engine).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -26,7 +27,9 @@ class CudaBackend(Backend):
     is_accelerator = True
     # GiB per device for the dry-run memory plan (the nominal HBM of each model; the first is the default).
     device_memory_table: ClassVar[dict[str, float]] = {"H100-80GB": 80.0, "A100-80GB": 80.0, "H200": 141.0, "A100-40GB": 40.0, "L40S": 48.0}
-    attention_kernel = "polyrl.backends.cuda.attention:triton_varlen_attention"
+    # Per call: FA4 on full-causal layers where it measured faster, the Triton kernel on sliding-window layers, fp32,
+    # unmeasured head dims, other GPUs or without flash_attn.cute (attention_choice; POLYRL_CUDA_ATTENTION overrides).
+    attention_kernel = "polyrl.backends.cuda.attention:cuda_varlen_attention"
     # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
     # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
     linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
@@ -66,6 +69,12 @@ class CudaBackend(Backend):
         from polyrl.backends.cuda import compat
 
         return compat.compatibility()
+
+    def kernel_choices(self) -> dict[str, dict[str, str]]:
+        # The per-layout attention rule, read without a device or a vendor import (polyrl backends runs it).
+        from polyrl.backends.cuda.attention_choice import layout_report
+
+        return {"varlen_attention": layout_report()}
 
     def detect(self) -> Availability:
         import torch

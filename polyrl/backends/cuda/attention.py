@@ -1,4 +1,6 @@
-"""``triton_varlen_attention``: the cuda backend's packed attention (causal, window, sinks, GQA), fwd + bwd.
+"""``triton_varlen_attention``: the cuda backend's packed attention (causal, window, sinks, GQA), fwd + bwd; and
+``cuda_varlen_attention``, the backend's kernel slot, which runs FlashAttention-4 or this kernel per call
+(polyrl.backends.cuda.attention_choice).
 
 An ``autograd.Function`` over the Triton kernels in ``kernels/``. Contract (polyrl.core.attention):
 q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv], cu_seqlens int32 [N+1]; window W = the W most recent keys of
@@ -34,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from polyrl.backends.cuda.attention_choice import choose
+from polyrl.backends.cuda.fa4 import fa4_varlen_attention
 from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from polyrl.backends.cuda.kernels.backward_fused import attn_bwd_fused_kernel
 from polyrl.backends.cuda.kernels.configs import table_configs
@@ -263,3 +267,28 @@ def triton_varlen_attention(
     if options is None:
         options = KernelOptions.from_env()
     return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale), window, sinks, options)
+
+
+def cuda_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None,
+    sinks: torch.Tensor | None,
+    options: KernelOptions | None = None,
+) -> torch.Tensor:
+    """The cuda backend's attention (``CudaBackend.attention_kernel``): FlashAttention-4 where the rule of
+    polyrl.backends.cuda.attention_choice picks it for this call's layout, dtype, head dims and GPU (full-causal
+    bf16 layers at the measured head dims on compute capability 9.x / 10.x, FA4 installed), the Triton kernel
+    otherwise; ``POLYRL_CUDA_ATTENTION`` overrides. ``options`` apply to the Triton kernel only."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q, k, v must be [T, H, D]")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    # An empty batch has nothing to run: the Triton kernel returns its empty output without a launch.
+    if q.shape[0] > 0 and choose(q, v, window, sinks).kernel == "fa4":
+        return fa4_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
+    return triton_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks, options=options)

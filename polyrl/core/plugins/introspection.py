@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from polyrl.core.plugins.kernels import KERNELS, REFERENCE_KERNELS
+from polyrl.core.plugins.kernels import KERNELS, REFERENCE_KERNELS, one_line
 from polyrl.core.plugins.part import BackendPart
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ class Introspection(BackendPart):
     """Reached as ``backend.introspection``."""
 
     methods: ClassVar[tuple[str, ...]] = ("compatibility", "provided_kernels", "kernels_fallback",
-                                          "declaration_warnings", "origin", "describe")
+                                          "declaration_warnings", "origin", "describe", "kernel_choices")
 
     def compatibility(self) -> Compatibility:
         """This backend's rows of the compatibility table that ``polyrl doctor`` checks: the distributions to
@@ -83,10 +83,22 @@ class Introspection(BackendPart):
         dist = " ".join(x for x in (backend.distribution, backend.version) if x) or "registered in-process"
         return f"{backend.name} ({dist})"
 
+    def kernel_choices(self) -> dict[str, dict[str, str]]:
+        """For a kernel whose slot picks an implementation per call (by layout, dtype, device): kernel name ->
+        {case: "what runs (why)"}, printed by ``polyrl backends``. Must not import a vendor module nor touch a
+        device. Default: none."""
+        return {}
+
     def describe(self) -> dict[str, Any]:
         """What ``polyrl backends --json`` prints for the backend."""
         backend = self.backend
         avail = backend.availability()
+        warnings = self.declaration_warnings()
+        try:
+            choices = self.kernel_choices()
+        except Exception as exc:  # a plugin's bug must not take the command down
+            choices = {}
+            warnings = [*warnings, f"kernel_choices() raised {one_line(exc)}"]
         return {
             "name": backend.name,
             "version": backend.version,
@@ -105,5 +117,6 @@ class Introspection(BackendPart):
             # per engine: "" when it can run here, else why not (``rollout_engine_problem``, isolated)
             "rollout_engine_problems": {e: backend.engines.problem(e) for e in backend.rollout_engines},
             "problems": backend.declaration_problems(),
-            "warnings": self.declaration_warnings(),
+            "warnings": warnings,
+            "kernel_choices": choices,
         }
