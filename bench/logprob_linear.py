@@ -3,9 +3,12 @@ logits paths and the fused-linear-cross-entropy peers, in one run.
 
 Every method starts from the same last hidden states [T, H] and lm_head weight [V, H] (bf16, both requiring
 grad) and ends with their gradients:
-- ``polyrl fused (triton)``: the cuda backend's ``triton_linear_logprobs`` (Triton forward with the matmul fused
-  into the softmax statistics; Triton backward recomputing each vocabulary chunk's logit gradient, dW and dH by
-  cuBLAS): log-probs and entropy;
+- ``polyrl fused (triton)``: the cuda backend's Triton path, ``triton_fused_linear_logprobs`` (Triton forward with
+  the matmul fused into the softmax statistics; Triton backward recomputing each vocabulary chunk's logit
+  gradient, dW and dH by cuBLAS; the default of ``POLYRL_LINEAR_LOGPROBS``): log-probs and entropy;
+- ``polyrl fused (cublas)``: the cuda backend's cuBLAS path, ``cublas_linear_logprobs``
+  (``POLYRL_LINEAR_LOGPROBS=cublas``: all four matmuls in cuBLAS with fp32 logits, Triton only reads them):
+  same; the two rows call their paths directly, whatever the variable says;
 - ``polyrl reference (chunked)``: ``A.linear_logprobs_and_entropy`` (token x vocab tiles, torch matmuls): same;
 - ``polyrl logits + chunked``: logits = h @ W^T (bf16 [T, V]), then ``A.logprobs_and_entropy`` (the trainer's
   path before the fused op): same;
@@ -18,8 +21,9 @@ is their summed cross-entropy (= −Σ logp), so the peers do strictly less work
 Measured on the GPU: time = median of ``--iters`` fwd+bwd after 2 warm-up runs (CUDA events); extra peak memory =
 max_memory_allocated during one fwd+bwd minus the memory allocated before it (inputs, weight and labels are
 allocated before; the gradients dH and dW, which every method returns, are counted: dW alone is 1.08 GiB at
-V = 201088, H = 2880 in bf16). On the CPU (``--quick --device cpu``, a toy size) only time is measured and the
-Triton method runs only under TRITON_INTERPRET=1.
+V = 201088, H = 2880 in bf16). On the CPU (``--quick --device cpu``, a toy size) only time is measured; the
+Triton method runs only under TRITON_INTERPRET=1, the cuBLAS method's two Triton passes run under the interpreter
+or, without it, as their torch stand-ins. After each T, each polyrl fused row is also printed as a ratio to Liger's.
 
 Usage (H200):  python bench/logprob_linear.py                      # T = 4096 and 16384, H 2880, V 201088
 CPU check:     python bench/logprob_linear.py --quick --device cpu
@@ -56,19 +60,23 @@ def _methods(device: str, chunk: int) -> dict[str, Callable | str]:
     from polyrl.core import algorithms as A
 
     out: dict[str, Callable | str] = {}
-    if device == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        try:
-            from polyrl.backends.cuda.linear_logprobs import triton_linear_logprobs
-
+    try:
+        from polyrl.backends.cuda.linear_logprobs import cublas_linear_logprobs, triton_fused_linear_logprobs
+    except ImportError as exc:
+        out["polyrl fused (triton)"] = out["polyrl fused (cublas)"] = f"not importable ({exc})"
+    else:
+        def fused_with(kernel: Callable) -> Callable:
             def fused(h, W, y, w):
-                lp, ent = triton_linear_logprobs(h, W, y, chunk_size=chunk)
+                lp, ent = kernel(h, W, y, chunk_size=chunk)
                 return (lp * w).sum() + ENT_W * ent.sum(), -lp.detach().sum()
 
-            out["polyrl fused (triton)"] = fused
-        except ImportError as exc:
-            out["polyrl fused (triton)"] = f"not importable ({exc})"
-    else:
-        out["polyrl fused (triton)"] = "needs CUDA (or TRITON_INTERPRET=1)"
+            return fused
+
+        if device == "cuda" or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+            out["polyrl fused (triton)"] = fused_with(triton_fused_linear_logprobs)
+        else:
+            out["polyrl fused (triton)"] = "needs CUDA (or TRITON_INTERPRET=1)"
+        out["polyrl fused (cublas)"] = fused_with(cublas_linear_logprobs)
 
     def reference(h, W, y, w):
         lp, ent = A.linear_logprobs_and_entropy(h, W, y, chunk_size=chunk)
@@ -217,6 +225,14 @@ def main() -> None:
         for name, r in results.items():
             if "skipped" in r:
                 rows.append({"T": T, "method": name, **r})
+        liger = results.get("liger fused linear CE", {})
+        for name in ("polyrl fused (triton)", "polyrl fused (cublas)"):
+            r = results.get(name, {})
+            if "ms" in r and "ms" in liger:
+                mem = "n/a" if r["extra_gib"] is None or not liger.get("extra_gib") else \
+                    f"{r['extra_gib'] / liger['extra_gib']:.2f}x"
+                print(f"{name} / liger fused linear CE: {r['ms'] / liger['ms']:.2f}x time, {mem} memory "
+                      "(polyrl with entropy, Liger without)")
         del h, W, y, w
     meta = {"H": args.H, "V": args.V, "dtype": args.dtype, "device": gpu, "chunk": args.chunk, "iters": args.iters,
             "torch": torch.__version__, "triton": _version("triton"), "liger-kernel": _version("liger-kernel"),

@@ -31,3 +31,17 @@ def run_with_grads(fn, hidden, weight, bias, labels, w_lp, w_ent, tau, *, device
     lp, ent = fn(leaves[0], leaves[1], labels.to(device), bias=b, temperature=tau, **kw)
     ((lp * w_lp.to(device)).sum() + (ent * w_ent.to(device)).sum()).backward()
     return [lp.detach().cpu(), ent.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+
+def cublas_kernel():
+    from polyrl.backends.cuda.linear_logprobs import cublas_linear_logprobs
+
+    return cublas_linear_logprobs
+
+
+def fp64_full_logits(hidden, weight, bias, labels, tau):
+    """(log-probs, entropies) in fp64 through the full [N, V] logits of the same (dtype-valued) inputs."""
+    h, w = hidden.double(), weight.double()
+    z = h @ w.t() + (bias.double() if bias is not None else 0)
+    logs = torch.log_softmax(z / tau, -1)
+    return logs.gather(1, labels[:, None])[:, 0], -(logs.exp() * logs).sum(-1)
