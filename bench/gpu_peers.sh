@@ -15,6 +15,8 @@
 #   2) carry .whl_big/cu12.part.ab and .whl:      bash bench/gpu_peers.sh && . /tmp/site/peers_env.sh && ...
 #      (joins the halves, checks the sha256, installs everything into $SITE, default /tmp/site, with
 #      pip --target, writes $SITE/peers_env.sh and prints the PYTHONPATH line)
+# The folders are rebuilt on the dev machine (network to PyPI) with:   bash bench/gpu_peers.sh download
+# (the versions below; Python 3.12 manylinux wheels for the GPU image; the cu12 wheel's sha256 is checked, then split).
 # A first half copied by hand to /tmp/cu12.part.aa is found too. Without both halves (or with a bad join)
 # FA4 and its CuTe DSL stack are skipped and the benches report FA4 "not installed"; FLA and Liger still install.
 set -euo pipefail
@@ -28,6 +30,23 @@ CU12_SHA256=440b88739120c65d96c5f15bbe496a3bd7c26392874d5af6061d38497f84c70c
 WHEEL_DIRS=(.whl .whl_b2 "$STASH")
 PART_DIRS=(.whl_big "$STASH" /tmp)
 
+if [[ "${1:-install}" == "download" ]]; then
+    plat=(--only-binary=:all: --no-deps --python-version 3.12 --implementation cp)
+    for n in 28 27 17 24 31 34 35; do plat+=(--platform "manylinux_2_${n}_x86_64"); done
+    plat+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
+    mkdir -p .whl .whl_b2 .whl_big
+    "$PY" -m pip download -q "${plat[@]}" -d .whl flash-attn-4==4.0.0b36 fla-core==0.6.0 liger-kernel==0.8.5 \
+        cut-cross-entropy==25.1.1 quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+        nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 einops==0.8.1
+    "$PY" -m pip download -q "${plat[@]}" -d .whl_b2 'cuda-bindings>=13,<14' cuda-pathfinder protobuf typing-extensions
+    tmp=$(mktemp -d)
+    "$PY" -m pip download -q "${plat[@]}" -d "$tmp" nvidia-cutlass-dsl-libs-cu12==4.8.1
+    echo "$CU12_SHA256  $tmp/$CU12_WHEEL" | sha256sum -c
+    (cd .whl_big && rm -f cu12.part.* && split -b 46m "$tmp/$CU12_WHEEL" cu12.part.)
+    rm -rf "$tmp"
+    du -sh .whl .whl_b2 .whl_big; ls .whl .whl_b2 .whl_big
+    exit 0
+fi
 if [[ "${1:-install}" == "stash" ]]; then
     mkdir -p "$STASH"
     shopt -s nullglob
@@ -36,7 +55,7 @@ if [[ "${1:-install}" == "stash" ]]; then
     ls -l "$STASH"
     exit 0
 fi
-[[ "${1:-install}" == "install" ]] || { echo "usage: $0 [install|stash]" >&2; exit 2; }
+[[ "${1:-install}" == "install" ]] || { echo "usage: $0 [install|stash|download]" >&2; exit 2; }
 
 mkdir -p "$STASH"
 # --- the cu12 libs: an already joined wheel, or the two halves from wherever they are --------------------
