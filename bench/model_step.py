@@ -6,8 +6,11 @@ cut to two layers (one sliding, one full), bf16, random init, one sequence of 4k
 polyrl.backends.cuda.attention_choice picks), "flex_attention", "eager", and transformers' "flash_attention_4"
 when flash_attn.cute imports — the median
 step time and the peak memory (parameters and gradients included), with transformers' own ``labels=`` loss;
-"polyrl+fused" runs the trainer's loss path instead (fused lm_head + log-prob + entropy, no logits, then DAPO's
-policy loss; ``fused_policy_loss``). Eager running out of memory at 16k is an
+"polyrl+fused" runs the trainer's loss path instead (fused lm_head + log-prob, no logits, then DAPO's policy
+loss; ``fused_policy_loss``) as gpt_oss_dapo.yaml runs it: its ``entropy_coeff`` is 0, so the trainer asks for no
+entropy in the update (``compute_entropy=False``: no entropy gradient; the entropy metric comes from the old-log-prob
+pass, outside the step). "polyrl+fused+entropy" adds an entropy bonus of 0.001 and its gradient, as the tiny recipes
+have. Eager running out of memory at 16k is an
 expected result and is reported as such. docs/background.md §8 anchors are printed beside our numbers.
 
     python bench/model_step.py [--seqlens 4096,16384] [--out bench/results/model_step.json]
@@ -27,7 +30,7 @@ import torch
 ANCHORS = {16384: {"flex": "0.27 s / 60 GiB", "eager": "out of memory"}}
 
 
-DEFAULT_IMPLS = "polyrl+fused,polyrl,flex_attention,eager"
+DEFAULT_IMPLS = "polyrl+fused,polyrl+fused+entropy,polyrl,flex_attention,eager"
 
 
 def default_impls() -> str:
@@ -88,10 +91,10 @@ def build_model():
     return model, config
 
 
-def fused_policy_loss(model, ids: torch.Tensor) -> torch.Tensor:
+def fused_policy_loss(model, ids: torch.Tensor, entropy_coeff: float = 0.0) -> torch.Tensor:
     """The trainer's own loss path (``polyrl+fused``): the last hidden states and lm_head weight go to the cuda
-    backend's fused lm_head + log-prob + entropy op (no [T, V] logits), then DAPO's token-mean clipped policy
-    loss with an entropy bonus, as polyrl.core.trainer.update computes it."""
+    backend's fused lm_head + log-prob (+ entropy) op (no [T, V] logits), then DAPO's token-mean clipped policy
+    loss, with an entropy bonus only when ``entropy_coeff`` > 0, as polyrl.core.trainer.update computes it."""
     from polyrl.backends.cuda.linear_logprobs import triton_linear_logprobs
     from polyrl.core import algorithms as A
     from polyrl.core.models.lm_head import fused_logprobs
@@ -100,14 +103,25 @@ def fused_policy_loss(model, ids: torch.Tensor) -> torch.Tensor:
     gather = torch.arange(T - 1, device=ids.device)
     labels = ids[0, 1:]
     logp, ent = fused_logprobs(model, {"input_ids": ids}, gather, labels, triton_linear_logprobs,
-                               chunk_size=2048, temperature=1.0, compute_entropy=True)
+                               chunk_size=2048, temperature=1.0, compute_entropy=entropy_coeff > 0)
     mask = torch.ones(1, T - 1, device=ids.device)
     adv = torch.linspace(-1, 1, T - 1, device=ids.device)[None]
     pg, _ = A.policy_loss(logp[None], logp.detach()[None], adv, mask, clip_low=0.2, clip_high=0.28)
-    return pg - 0.001 * A.entropy_loss(ent[None], mask)
+    return pg - entropy_coeff * A.entropy_loss(ent[None], mask) if entropy_coeff > 0 else pg
+
+
+def peer_row(rows: list[dict], seqlen: int) -> dict | None:
+    """The peer every row is divided by at this length: transformers with FA4 where it ran, else with flex."""
+    for peer in ("flash_attention_4", "flex_attention"):
+        for r in rows:
+            if r["seqlen"] == seqlen and r["impl"] == peer and "error" not in r:
+                return r
+    return None
 
 
 def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
+    entropy_coeff = 0.001 if impl.endswith("+entropy") else 0.0
+    impl = impl.removesuffix("+entropy")
     fused = impl.endswith("+fused")
     impl = impl.removesuffix("+fused")
     if hasattr(model, "set_attn_implementation"):
@@ -121,7 +135,7 @@ def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
     for i in range(steps + 2):  # two warm-up steps (compilation, autotuning)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = fused_policy_loss(model, ids) if fused else model(input_ids=ids, labels=ids).loss
+        loss = fused_policy_loss(model, ids, entropy_coeff) if fused else model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.cuda.synchronize()
         if i >= 2:
@@ -137,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqlens", default="4096,16384")
     ap.add_argument("--impls", default=None,
                     help=f"attn implementations (default: {DEFAULT_IMPLS}, and flash_attention_4 when flash_attn.cute "
-                         "imports); '+fused': the loss through polyrl's fused lm_head log-prob path")
+                         "imports); '+fused': the loss through polyrl's fused lm_head log-prob path (DAPO: no entropy term); "
+                         "'+fused+entropy': with an entropy bonus of 0.001 and its gradient")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default="bench/results/model_step.json")
     args = ap.parse_args(argv)
@@ -178,13 +193,18 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"\n{'seqlen':>7} {'impl':16} {'step s':>8} {'peak GiB':>9}  anchor")
+    print(f"\n{'seqlen':>7} {'impl':22} {'step s':>8} {'peak GiB':>9} {'time / peer':>12} {'mem / peer':>11}  anchor")
     for r in rows:
         anchor = ANCHORS.get(r["seqlen"], {}).get(r["impl"], "")
         if "error" in r:
-            print(f"{r['seqlen']:7} {r['impl']:16} {r['error'][:60]:>18}  {anchor}")
-        else:
-            print(f"{r['seqlen']:7} {r['impl']:16} {r['step_s']:8.3f} {r['peak_gib']:9.2f}  {anchor}")
+            print(f"{r['seqlen']:7} {r['impl']:22} {r['error'][:60]:>18}  {anchor}")
+            continue
+        peer = peer_row(rows, r["seqlen"])
+        ratio = (f"{r['step_s'] / peer['step_s']:12.2f} {r['peak_gib'] / peer['peak_gib']:11.2f}" if peer
+                 else f"{'-':>12} {'-':>11}")
+        print(f"{r['seqlen']:7} {r['impl']:22} {r['step_s']:8.3f} {r['peak_gib']:9.2f} {ratio}  {anchor}")
+    print("peer: transformers + " + ("flash_attention_4" if any(r["impl"] == "flash_attention_4" and "error" not in r
+                                                              for r in rows) else "flex_attention") + ", labels= loss")
     print(json.dumps(result["versions"]), f"params {n_params / 1e9:.2f} B")
     return 0
 
