@@ -3,7 +3,8 @@
 # that runs on a GPU (trainer, rollout, kernels, sharding). All steps take about 12 minutes on one H200:
 #   1. the GPU tests (tests/cuda -m gpu: kernels vs the fp64 oracle, every attention kernel path, the fused
 #      lm_head log-prob kernel, the trainer on cuda: DAPO, PPO, resume, export), $GPU_TEST_WORKERS at a time
-#   2. start-up and step profile of the tiny DAPO recipe, twice (the second run is "a machine that has run it once")
+#   2. start-up and step profile of the tiny DAPO recipe, twice (the second run is "a machine that has run it once",
+#      with a cProfile of the trainer's build and the host<-device syncs of 3 steps by call site)
 #   3. both tiny recipes through `polyrl run --backend cuda`, seeds $GPU_CHECK_SEEDS (bench/recipe_tiny.py)
 #   4. `polyrl parity --backend cuda`, all four levels or $GPU_PARITY_LEVELS (recipe level: $GPU_PARITY_STEPS steps,
 #      seeds $GPU_PARITY_SEEDS), JSON report and the recipe-level curves as a PNG
@@ -67,7 +68,7 @@ if want 2; then
   step profile_cold $PY bench/profile_step.py recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 20 \
     --profile-steps 2 --out "$OUT/profile_cold.json"
   step profile_warm $PY bench/profile_step.py recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 5 \
-    --profile-steps 0 --out "$OUT/profile_warm.json"
+    --profile-steps 0 --profile-build --sync-sources 3 --out "$OUT/profile_warm.json"
 fi
 # shellcheck disable=SC2086
 want 3 && step recipes $PY bench/recipe_tiny.py --backend cuda --seeds $SEEDS --jobs "${GPU_CHECK_JOBS:-1}" --out "$OUT/recipe_tiny_cuda.json"
