@@ -2,7 +2,8 @@
 
 A backend is conformant when it declares what docs/plugins.md asks for and its attention kernel meets the
 contract of docs/plugins.md ("The kernel contract") on every case of :data:`ATTENTION_CASES`, within the
-bars of :mod:`polyrl.core.tolerances`. Use it from your plugin's test suite::
+bars of :mod:`polyrl.core.tolerances` (and its decode attention kernel, forward only, on every case of
+:data:`DECODE_CASES`). Use it from your plugin's test suite::
 
     from polyrl.testing.conformance import run_conformance
     def test_my_backend_conforms():
@@ -552,6 +553,130 @@ def linear_logprobs_check(backend: Backend, dtype: str) -> Check:
                  "rel err " + ", ".join(errors))
 
 
+# --- the decode attention kernel (generation form) -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCase:
+    """One decode_attention case: ``batch`` rows of ``q_len`` queries at the end of a ``cache_len``-slot KV cache."""
+
+    name: str
+    batch: int
+    q_len: int
+    cache_len: int
+    pads: tuple[int, ...] | None = None  # left-padded slots of each row; None: no key padding mask
+    hkv: int = 2
+    gqa: int = 1
+    d: int = 32
+    dv: int | None = None
+    window: int | None = None
+    sinks: float | None = None  # standard deviation of the random per-head sinks (in q's dtype); None: no sinks
+    scale: float | None = None
+    seed: int = 0
+
+    def label(self) -> str:
+        parts = [f"B={self.batch} Sq={self.q_len} Sk={self.cache_len}", f"pads={list(self.pads or [])}",
+                 f"heads={self.hkv * self.gqa}/{self.hkv}", f"D={self.d}"]
+        if self.dv is not None:
+            parts.append(f"Dv={self.dv}")
+        parts += [f"window={self.window}", f"sinks={self.sinks}"]
+        if self.scale is not None:
+            parts.append(f"scale={self.scale:.4g}")
+        return f"{self.name} ({' '.join(parts)})"
+
+
+# The generation form's cases (docs/plugins.md, "decode attention"): left padding of different amounts per row, a
+# query sitting on padding (it sees no key: zeros), windows inside and beyond the cache, sinks, GQA 1 / 4 / 8, Dv != D
+# both ways with head dims that are not powers of two, a non-default scale. Small: a few milliseconds on the CPU.
+DECODE_CASES: tuple[DecodeCase, ...] = (
+    DecodeCase("decode step, ragged left padding, window 3, sinks", 3, 1, 21, pads=(0, 4, 20), gqa=4, window=3,
+               sinks=1.0, seed=21),
+    DecodeCase("several queries, one on padding, Dv < D, non-default scale", 2, 3, 13, pads=(0, 11), d=48, dv=32,
+               scale=YARN_MSCALE**2 / math.sqrt(48), seed=22),
+    DecodeCase("no mask, window beyond the cache, Dv > D", 2, 2, 40, hkv=1, gqa=8, d=24, dv=40, window=1000,
+               sinks=1.0, seed=23),
+)
+
+
+def decode_oracle_fp64(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None, *,
+                       scale: float, window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Dense fp64 decode attention (the contract, written plainly): [B, Sq, Hq, Dv]; zeros where nothing is seen."""
+    import torch
+
+    _, sq, hq, _ = q.shape
+    sk, hkv = k_cache.shape[1], k_cache.shape[2]
+    k = k_cache.double().repeat_interleave(hq // hkv, dim=2)  # query head h reads kv head h // G
+    v = v_cache.double().repeat_interleave(hq // hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q.double(), k) * scale  # [B, Hq, Sq, Sk]
+    qpos = torch.arange(sk - sq, sk)[:, None]
+    kpos = torch.arange(sk)[None, :]
+    seen = (kpos <= qpos) & ((qpos - kpos < window) if window is not None else True)
+    seen = seen[None, None] & (mask[:, None, None, :] if mask is not None else True)
+    s = s.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double()[None, :, None, None])
+    lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    return torch.einsum("bhij,bjhd->bihd", torch.exp(s - lse), v)
+
+
+def decode_check(backend: Backend, case: DecodeCase, dtype: str) -> Check:
+    """``decode_attention`` on ``backend`` (its ``decode_attention_kernel``, without gradients, as the hf engine calls
+    it) against the fp64 oracle on the same ``dtype``-rounded inputs: shape, dtype, finiteness, the attention forward
+    bars (relative norm error and worst (row, query, head) vector), and exact zeros where a query sees no key."""
+    import torch
+
+    from polyrl.core.attention import decode_attention
+    from polyrl.core.tolerances import tolerance
+
+    dt = _torch_dtype(dtype)
+    gen = torch.Generator().manual_seed(case.seed)
+    hq, dv = case.hkv * case.gqa, case.d if case.dv is None else case.dv
+    q = torch.randn(case.batch, case.q_len, hq, case.d, generator=gen).to(dt)
+    k = torch.randn(case.batch, case.cache_len, case.hkv, case.d, generator=gen).to(dt)
+    v = torch.randn(case.batch, case.cache_len, case.hkv, dv, generator=gen).to(dt)
+    sinks = None if case.sinks is None else (case.sinks * torch.randn(hq, generator=gen)).to(dt)
+    mask = None if case.pads is None else torch.arange(case.cache_len)[None, :] >= torch.tensor(case.pads)[:, None]
+    scale = case.d**-0.5 if case.scale is None else case.scale
+    expected = decode_oracle_fp64(q, k, v, mask, scale=scale, window=case.window, sinks=sinks)
+    name = f"decode_attention {case.label()} {dtype}"
+    device = backend.device(0)
+    on = [None if x is None else x.to(device) for x in (q, k, v, mask, sinks)]
+    try:
+        with torch.no_grad():
+            out = decode_attention(on[0], on[1], on[2], key_padding_mask=on[3], scale=case.scale, window=case.window,
+                                   sinks=on[4], backend=backend)
+    except Exception as exc:  # a kit reports a crashing kernel; it does not crash with it
+        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
+    want_shape = tuple(expected.shape)
+    if tuple(out.shape) != want_shape:
+        return Check(name, FAIL, f"output has shape {list(out.shape)}, expected {list(want_shape)}")
+    symptoms = []
+    if out.dtype != dt:
+        symptoms.append(f"wrong output dtype: {str(out.dtype).removeprefix('torch.')}, expected {dtype} (q's dtype)")
+    a = out.detach().to("cpu", torch.float64)
+    nonfinite = int((~torch.isfinite(a)).sum())
+    if nonfinite:
+        return Check(name, FAIL, "; ".join([*symptoms, f"output differs: {nonfinite} non-finite values"]))
+    num, den = (a - expected).norm(dim=-1), expected.norm(dim=-1)  # per (row, query, head)
+    err = num.norm().item() / max(den.norm().item(), 1e-300)
+    ratio = torch.where(den > 0, num / den.clamp_min(1e-300), torch.where(num > 0, torch.inf, 0.0))
+    worst = float(ratio.max())
+    bar, row_bar = tolerance("attention.forward", dtype), tolerance("attention.forward.row", dtype)
+    detail = f"rel err {err:.1e} (bar {bar:.1e}); worst row {worst:.1e} (bar {row_bar:.1e})"
+    if not (err <= bar and worst <= row_bar):
+        b, i, h = (int(x) for x in (ratio == ratio.max()).nonzero()[0])
+        unseen = bool(den[b, i, h] == 0)
+        where = f"row {b} query {i} (cache slot {case.cache_len - case.q_len + i}) head {h}"
+        symptoms.append(f"output differs: {detail} at {where}" +
+                        (" (a query that sees no key must return zeros)" if unseen else ""))
+    return Check(name, FAIL if symptoms else PASS, "; ".join(symptoms) if symptoms else detail)
+
+
+def decode_checks(backend: Backend, dtype: str, cases: tuple[DecodeCase, ...] = DECODE_CASES) -> list[Check]:
+    return [decode_check(backend, case, dtype) for case in cases]
+
+
 def attention_checks(backend: Backend, dtype: str, cases: tuple[AttentionCase, ...] = ATTENTION_CASES
                      ) -> tuple[list[Check], list[CaseResult]]:
     checks, results = [], []
@@ -580,6 +705,7 @@ def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_una
         checks += kernel_checks
         checks.append(logprobs_check(backend, dtype))
         checks.append(linear_logprobs_check(backend, dtype))
+        checks += decode_checks(backend, dtype)
     else:
         checks.append(Check("kernels vs oracle", NOT_RUN, f"backend not available: {avail.reason}"))
     return ConformanceReport(backend.name, checks, allow_unavailable, dtype, results)

@@ -45,7 +45,8 @@ def test_installed_plugins_are_listed_and_failures_reported_by_the_real_command(
     assert (dummy["distribution"], dummy["version"]) == ("polyrl-dummy-backend", "0.0.1")
     assert dummy["available"] is False and dummy["is_accelerator"] is False
     # native_kernels is derived: the dummy names its own attention kernel and leaves logprobs to the reference.
-    assert dummy["native_kernels"] == ["varlen_attention"] and dummy["kernels_fallback"] == ["logprobs", "linear_logprobs", "experts"]
+    assert dummy["native_kernels"] == ["varlen_attention"] and dummy["kernels_fallback"] == [
+        "logprobs", "linear_logprobs", "experts", "decode_attention"]
     assert by_name["cpu"]["distribution"] == "polyrl" and by_name["cpu"]["kernels_fallback"] == []
     failed = {n["name"]: n for n in data["not_loaded"] if n["failed"]}
     assert failed["faulty_import"] == {"name": "faulty_import", "distribution": FAULTY, "failed": True,

@@ -396,7 +396,8 @@ def test_declarations_are_checked():
     report = run_conformance(DeclaresNativeKernels(), dtype="float32", cases=ATTENTION_CASES[:1])
     assert _declaration(report, "native_kernels is derived from the kernel slots").status == FAIL
     assert DeclaresNativeKernels().describe()["kernels_fallback"] == ["varlen_attention", "logprobs",
-                                                                      "linear_logprobs", "experts"]  # truthful
+                                                                      "linear_logprobs", "experts",
+                                                                      "decode_attention"]  # truthful
     report = run_conformance(KernelTypo(), dtype="float32")
     check = _declaration(report, "kernel paths resolve")
     assert check.status == FAIL and "has no function 'logprobs_and_entropyy'" in check.detail
@@ -410,3 +411,74 @@ def test_the_dummy_plugins_declarations_pass(dummy):
     report = run_conformance(dummy[0](), dtype="float32", cases=ATTENTION_CASES[:1])
     assert report.ok, report.format()
     assert dummy[0]().provided_kernels() == frozenset({"varlen_attention"})
+
+
+# --- the decode attention kernel ----------------------------------------------------------------------------------
+
+
+def _decode_bug(bug):
+    """A CpuBackend whose decode_attention carries one planted bug (the method overridden, as a plugin may)."""
+
+    class Planted(CpuBackend):
+        name = f"decode_{bug}"
+        is_reference = False
+
+        def decode_attention(self, q, k_cache, v_cache, *, key_padding_mask, scale, window, sinks):
+            kw = dict(key_padding_mask=key_padding_mask, scale=scale, window=window, sinks=sinks)
+            if bug == "window+1" and window is not None:
+                kw["window"] = window + 1
+            elif bug == "padding ignored":
+                kw["key_padding_mask"] = None
+            elif bug == "sinks scaled" and sinks is not None:
+                kw["sinks"] = sinks * scale
+            elif bug == "top-left aligned":  # queries read as the first Sq slots: the cache cut to Sq keys
+                sq = q.shape[1]
+                kw["key_padding_mask"] = None if key_padding_mask is None else key_padding_mask[:, :sq]
+                return super().decode_attention(q, k_cache[:, :sq], v_cache[:, :sq], **kw)
+            elif bug == "float32 output":
+                return super().decode_attention(q, k_cache, v_cache, **kw).float()
+            return super().decode_attention(q, k_cache, v_cache, **kw)
+
+    return Planted()
+
+
+def test_the_kit_checks_decode_attention_and_the_reference_passes():
+    from polyrl.testing.conformance import DECODE_CASES
+
+    report = run_conformance("cpu", dtype="bfloat16", cases=ATTENTION_CASES[:1])
+    decode = [c for c in report.checks if c.name.startswith("decode_attention")]
+    assert len(decode) == len(DECODE_CASES) and all(c.status == PASS for c in decode), report.format()
+
+
+@pytest.mark.parametrize(("bug", "failing", "symptom"), [
+    ("window+1", {0}, "output differs"),
+    ("padding ignored", {0, 1}, "output differs"),
+    ("sinks scaled", {0, 2}, "output differs"),
+    ("top-left aligned", {0, 1, 2}, "output differs"),
+    ("float32 output", {0, 1, 2}, "wrong output dtype: float32, expected bfloat16"),
+])
+def test_planted_decode_bugs_fail_the_kit_naming_the_symptom(bug, failing, symptom):
+    from polyrl.testing.conformance import DECODE_CASES, decode_checks
+
+    checks = decode_checks(_decode_bug(bug), BUGGY_DTYPE)
+    failed = {i for i, c in enumerate(checks) if c.status == FAIL}
+    assert failed == failing, [c.detail for c in checks]
+    assert all(checks[i].detail.startswith(symptom) for i in failed), [checks[i].detail for i in failed]
+    assert len(checks) == len(DECODE_CASES)
+
+
+def test_a_query_on_padding_that_is_not_zero_is_named():
+    from polyrl.testing.conformance import DECODE_CASES, decode_check
+
+    class LeaksPadding(CpuBackend):
+        name = "decode_leak"
+        is_reference = False
+
+        def decode_attention(self, q, k_cache, v_cache, *, key_padding_mask, scale, window, sinks):
+            out = super().decode_attention(q, k_cache, v_cache, key_padding_mask=key_padding_mask, scale=scale,
+                                           window=window, sinks=sinks)
+            return out + 1e-2 * (out == 0)  # rows with nothing visible are no longer zeros
+
+    check = decode_check(LeaksPadding(), DECODE_CASES[1], "float32")  # row 1's first query sits on padding
+    assert check.status == FAIL and "row 1 query 0 (cache slot 10)" in check.detail
+    assert "a query that sees no key must return zeros" in check.detail

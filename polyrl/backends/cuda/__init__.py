@@ -1,6 +1,6 @@
 """The cuda backend: varlen attention with sinks/window/GQA (FlashAttention-4 where it measured faster, polyrl's
-Triton kernel elsewhere: attention_choice), the fused lm_head log-prob op, NCCL, rollout with vLLM (or the hf
-engine).
+Triton kernel elsewhere: attention_choice), a Triton decode attention for the hf engine, the fused lm_head log-prob
+op, NCCL, rollout with vLLM (or the hf engine).
 
 Importing this module imports nothing from CUDA or Triton; ``detect`` reads torch's build and counts
 devices without creating a context, and the kernels are imported on first call.
@@ -33,6 +33,9 @@ class CudaBackend(Backend):
     # Triton forward (matmul fused into the softmax statistics) and backward (logit gradient recomputed per
     # vocabulary chunk, then dW / dH by cuBLAS): never the [T, V] logits.
     linear_logprobs_kernel = "polyrl.backends.cuda.linear_logprobs:triton_linear_logprobs"
+    # The hf engine's decode steps: one Triton launch per layer call (forward only) instead of the dense reference's
+    # ~47 torch ops; the reference where a gradient is wanted, for float64, or under POLYRL_CUDA_DECODE=reference.
+    decode_attention_kernel = "polyrl.backends.cuda.decode:triton_decode_attention"
     # vLLM preferred (rollout.engine: auto) where installed and serving the model; the hf engine otherwise. The
     # vllm engine is the shared polyrl.backends.vllm_engine with the settings below; measured on an H200 with
     # vLLM 0.26.0 (docs/rollout.md: how to bring it to an offline machine).
@@ -71,10 +74,12 @@ class CudaBackend(Backend):
         return compat.compatibility()
 
     def kernel_choices(self) -> dict[str, dict[str, str]]:
-        # The per-layout attention rule, read without a device or a vendor import (polyrl backends runs it).
+        # The per-layout attention rule and the decode route, read without a device or a vendor import (polyrl
+        # backends runs it).
         from polyrl.backends.cuda.attention_choice import layout_report
+        from polyrl.backends.cuda.decode import decode_report
 
-        return {"varlen_attention": layout_report()}
+        return {"varlen_attention": layout_report(), "decode_attention": decode_report()}
 
     def detect(self) -> Availability:
         import torch

@@ -27,9 +27,10 @@ The mask function's pattern (sliding window, packing) is not read: the window co
 ``sliding_window`` kwarg and packing from ``position_ids``; models needing other patterns (chunked or
 bidirectional attention) are not supported.
 
-Which backend runs the packed attention is the model's, not the process's: :func:`bind_backend` (called by
-``polyrl.core.models.build_model``) stores the backend on every module of the model, and the attention function
-reads it from the module transformers hands it. Two models bound to two backends therefore run side by side in
+Which backend runs the packed and the decode attention is the model's, not the process's: :func:`bind_backend`
+(called by ``polyrl.core.models.build_model``) stores the backend on every module of the model, and the attention
+function reads it from the module transformers hands it (``Backend.varlen_attention`` for the packed paths,
+``Backend.decode_attention`` for generation). Two models bound to two backends therefore run side by side in
 one process. A model loaded with ``attn_implementation="polyrl"`` outside ``build_model`` and never bound runs
 on the process's active backend, as a direct call of ``varlen_attention`` does.
 """
@@ -228,7 +229,9 @@ def polyrl_attention_forward(
         out = out_real.new_zeros(b * sq, hq, dv).index_copy(0, idx, out_real)
         return out.view(b, sq, hq, dv), None
 
-    out = decode_attention(q, k, v, key_padding_mask=attention_mask, scale=scale, window=window, sinks=s_aux)
+    # Generation: the bound (or active) backend's decode kernel, as the packed paths above run its varlen one.
+    out = decode_attention(q, k, v, key_padding_mask=attention_mask, scale=scale, window=window, sinks=s_aux,
+                           backend=backend)
     return out, None
 
 

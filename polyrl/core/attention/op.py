@@ -8,9 +8,10 @@ Two forms share one semantics (docs/background.md §1-2):
   default (``polyrl.core.plugins.selection.default_backend``, resolved once per process); the backend's
   ``varlen_attention`` is a native kernel or the exact reference of :mod:`polyrl.core.attention.reference`.
 - :func:`decode_attention` — generation: a batch of queries sitting at the END of a KV cache
-  (q_len <= k_len, bottom-right aligned) with a key padding mask (left padding). It is dense over the
-  cache (chunked over queries) and runs the same fp32 math on every backend for now: no backend provides a
-  decoding kernel yet, so this is the reference fallback everywhere.
+  (q_len <= k_len, bottom-right aligned) with a key padding mask (left padding). Validated here and
+  dispatched the same way to the backend's ``decode_attention`` (its ``decode_attention_kernel`` slot): the
+  dense fp32 reference of :mod:`polyrl.core.attention.reference` unless the backend ships a decoding kernel
+  (the cuda backend's Triton kernel, forward only).
 
 Window ``W``: a query sees the W most recent keys of its document, itself included (``q - k < W``).
 Sinks: one unscaled logit per query head joining the softmax denominator only.
@@ -23,10 +24,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from polyrl.core.attention.reference import DECODE_QUERY_CHUNK  # noqa: F401  (its former home; kept importable)
+
 if TYPE_CHECKING:
     from polyrl.core.plugins.backend import Backend
-
-DECODE_QUERY_CHUNK = 256  # queries per dense tile in decode_attention: bounds memory at chunk x k_len
 
 
 def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window, sinks, *, ndim: int) -> None:
@@ -128,6 +129,7 @@ def decode_attention(
     scale: float | None = None,
     window: int | None = None,
     sinks: torch.Tensor | None = None,
+    backend: str | Backend | None = None,
 ) -> torch.Tensor:
     """Attention of the last ``Sq`` positions of each row over its KV cache (generation form).
 
@@ -136,19 +138,26 @@ def decode_attention(
     cache slots, padding included (as transformers' masks do). A query with no visible key (a padded
     position of a left-padded prompt) returns zeros.
 
-    This form is the fp32 reference on every backend (no backend ships a decoding kernel yet); it is dense
-    over the cache and chunked over queries, and differentiable through ordinary autograd.
+    Validated here, then run by the backend's ``decode_attention`` (its ``decode_attention_kernel`` slot): the
+    fp32 dense reference of :mod:`polyrl.core.attention.reference` (``reference_decode_attention``: chunked over
+    queries, differentiable through ordinary autograd) unless the backend ships a decoding kernel. The cuda
+    backend ships a forward-only Triton kernel (polyrl.backends.cuda.decode) that falls back to the reference
+    when an input requires grad or for float64.
 
     Args:
         q: [B, Sq, Hq, D]; k_cache: [B, Sk, Hkv, D]; v_cache: [B, Sk, Hkv, Dv]; Sq <= Sk.
         key_padding_mask: None or bool [B, Sk], True for real tokens.
+        scale: logit scale, default D ** -0.5.
+        window: None (full causal) or W >= 1: a query sees the W most recent cache slots, itself included.
+        sinks: None or [Hq]: unscaled per-head logit in the softmax denominator only.
+        backend: None (``default_backend()``: the selection rule's choice), a backend name, or a Backend object.
 
     Returns:
         [B, Sq, Hq, Dv] in q's dtype.
     """
     _check_common(q, k_cache, v_cache, window, sinks, ndim=4)
-    b, sq, hq, d = q.shape
-    sk, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    b, sq, _, d = q.shape
+    sk = k_cache.shape[1]
     if k_cache.shape[0] != b or v_cache.shape[:2] != k_cache.shape[:2]:
         raise ValueError(
             f"batch/length mismatch: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
@@ -159,31 +168,7 @@ def decode_attention(
         raise ValueError(f"key_padding_mask must have shape [B, Sk] = [{b}, {sk}], got {tuple(key_padding_mask.shape)}")
     if scale is None:
         scale = d**-0.5
-    g = hq // hkv
-    kf = k_cache.float().permute(0, 2, 3, 1)  # [B, Hkv, D, Sk]
-    vf = v_cache.float().transpose(1, 2)  # [B, Hkv, Sk, Dv]
-    kpos = torch.arange(sk, device=q.device)
-    valid = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)
-    sink = None if sinks is None else sinks.float().view(1, hkv, g, 1)
-    outs = []
-    for cs in range(0, sq, DECODE_QUERY_CHUNK):
-        ce = min(cs + DECODE_QUERY_CHUNK, sq)
-        c = ce - cs
-        qf = q[:, cs:ce].float().view(b, c, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * c, d)
-        s = torch.matmul(qf, kf).mul(scale).view(b, hkv, g, c, sk)
-        qpos = torch.arange(sk - sq + cs, sk - sq + ce, device=q.device)[:, None]  # [c, 1]
-        allowed = kpos[None, :] <= qpos
-        if window is not None:
-            allowed = allowed & (qpos - kpos[None, :] < window)
-        allowed = allowed[None].expand(b, c, sk)
-        if valid is not None:
-            allowed = allowed & valid[:, None, :]
-        s = s.masked_fill(~allowed[:, None, None], float("-inf"))
-        lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, c]
-        if sink is not None:
-            lse = torch.logaddexp(lse, sink)
-        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # rows with nothing visible -> 0
-        p = torch.exp(s - lse[..., None]).view(b, hkv, g * c, sk)
-        o = torch.matmul(p, vf).view(b, hkv, g, c, dv).permute(0, 3, 1, 2, 4).reshape(b, c, hq, dv)
-        outs.append(o)
-    return torch.cat(outs, dim=1).to(q.dtype)
+    from polyrl.core.plugins.selection import backend_for
+
+    return backend_for(backend).decode_attention(q, k_cache, v_cache, key_padding_mask=key_padding_mask,
+                                                 scale=float(scale), window=window, sinks=sinks)

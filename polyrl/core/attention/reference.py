@@ -495,3 +495,60 @@ def reference_varlen_attention(
     if q.shape[0] == 0:
         return q.new_zeros(0, q.shape[1], v.shape[2])
     return _VarlenAttention.apply(q, k, v, sinks, cu_seqlens, float(scale), window)
+
+
+# --------------------------------------------------------------------------------------------------
+# the generation form (decode_attention): queries at the end of a KV cache
+
+DECODE_QUERY_CHUNK = 256  # queries per dense tile in reference_decode_attention: bounds memory at chunk x k_len
+
+
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp32 dense reference of :func:`polyrl.core.attention.decode_attention` (its contract; the op validates):
+    q [B, Sq, Hq, D], k_cache [B, Sk, Hkv, D], v_cache [B, Sk, Hkv, Dv], key_padding_mask None or bool [B, Sk]
+    (True = real) -> [B, Sq, Hq, Dv] in q's dtype. Query i sits at key position ``Sk - Sq + i``; a query with no
+    visible key returns zeros. Dense over the cache, chunked over queries (``DECODE_QUERY_CHUNK``), GQA without
+    repeating K/V, differentiable through ordinary autograd in q, k_cache, v_cache and sinks."""
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    if scale is None:
+        scale = d**-0.5
+    if sq == 0:
+        return q.new_zeros(b, 0, hq, dv)
+    g = hq // hkv
+    kf = k_cache.float().permute(0, 2, 3, 1)  # [B, Hkv, D, Sk]
+    vf = v_cache.float().transpose(1, 2)  # [B, Hkv, Sk, Dv]
+    kpos = torch.arange(sk, device=q.device)
+    valid = None if key_padding_mask is None else key_padding_mask.to(device=q.device, dtype=torch.bool)
+    sink = None if sinks is None else sinks.float().view(1, hkv, g, 1)
+    outs = []
+    for cs in range(0, sq, DECODE_QUERY_CHUNK):
+        ce = min(cs + DECODE_QUERY_CHUNK, sq)
+        c = ce - cs
+        qf = q[:, cs:ce].float().view(b, c, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * c, d)
+        s = torch.matmul(qf, kf).mul(scale).view(b, hkv, g, c, sk)
+        qpos = torch.arange(sk - sq + cs, sk - sq + ce, device=q.device)[:, None]  # [c, 1]
+        allowed = kpos[None, :] <= qpos
+        if window is not None:
+            allowed = allowed & (qpos - kpos[None, :] < window)
+        allowed = allowed[None].expand(b, c, sk)
+        if valid is not None:
+            allowed = allowed & valid[:, None, :]
+        s = s.masked_fill(~allowed[:, None, None], float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, c]
+        if sink is not None:
+            lse = torch.logaddexp(lse, sink)
+        lse = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)  # rows with nothing visible -> 0
+        p = torch.exp(s - lse[..., None]).view(b, hkv, g * c, sk)
+        o = torch.matmul(p, vf).view(b, hkv, g, c, dv).permute(0, 3, 1, 2, 4).reshape(b, c, hq, dv)
+        outs.append(o)
+    return torch.cat(outs, dim=1).to(q.dtype)

@@ -6,11 +6,12 @@ The core must be cheap to construct and must not touch a device in ``__init__`` 
 what is installed and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
 Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel``,
-``linear_logprobs_kernel`` and ``experts_kernel`` are ``"module:function"`` paths (polyrl.core.plugins.kernels),
-imported on a backend object's first call of that kernel and kept on the object (``kernel``), so vendor modules
-load only when a kernel runs and never again per call. A slot left at its default runs the reference
-implementation in core. A slot that does not resolve (a typo) makes the backend unavailable with a one-line reason
-(``availability()``), found when ``polyrl backends`` / ``polyrl doctor`` run, before any kernel does.
+``linear_logprobs_kernel``, ``experts_kernel`` and ``decode_attention_kernel`` are ``"module:function"`` paths
+(polyrl.core.plugins.kernels), imported on a backend object's first call of that kernel and kept on the object
+(``kernel``), so vendor modules load only when a kernel runs and never again per call. A slot left at its default
+runs the reference implementation in core. A slot that does not resolve (a typo) makes the backend unavailable with
+a one-line reason (``availability()``), found when ``polyrl backends`` / ``polyrl doctor`` run, before any kernel
+does.
 
 The declarations the parts read (the collective library, the rollout engines, the device memory table, the
 self-check) are class attributes here too, so that a backend is declared in one class body.
@@ -76,6 +77,9 @@ class BackendCore:
     linear_logprobs_kernel: ClassVar[str] = REFERENCE_KERNELS["linear_logprobs"]
     # polyrl.core.models.experts.reference_experts (the default: transformers' grouped_mm path, torch._grouped_mm).
     experts_kernel: ClassVar[str] = REFERENCE_KERNELS["experts"]
+    # polyrl.core.attention.reference.reference_decode_attention (the default: the dense fp32 reference of the
+    # generation form, differentiable; the hf engine's decode steps run this slot).
+    decode_attention_kernel: ClassVar[str] = REFERENCE_KERNELS["decode_attention"]
 
     # --- detection -------------------------------------------------------------------------------------------
     def detect(self) -> Availability:
@@ -199,4 +203,22 @@ class BackendCore:
         [T, H] (contract: polyrl.core.models.experts). Runs ``experts_kernel``; a model built by polyrl reaches it
         through transformers' experts implementation ``"polyrl"``."""
         return self.kernel("experts")(module, hidden_states, top_k_index, top_k_weights)
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        *,
+        key_padding_mask: torch.Tensor | None,
+        scale: float,
+        window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Attention of the last Sq positions of each row over its KV cache (contract in
+        polyrl.core.attention.decode_attention): q [B, Sq, Hq, D], k_cache [B, Sk, Hkv, D], v_cache [B, Sk, Hkv, Dv],
+        key_padding_mask None or bool [B, Sk] -> [B, Sq, Hq, Dv]. Runs the function named by
+        ``decode_attention_kernel``; the model's ``"polyrl"`` attention calls it for generation (KV cache)."""
+        return self.kernel("decode_attention")(q, k_cache, v_cache, key_padding_mask=key_padding_mask, scale=scale,
+                                               window=window, sinks=sinks)
 
