@@ -170,7 +170,7 @@ def test_a_child_recipe_replaces_free_form_mappings_but_merges_sections(tmp_path
                                              "data": {"task": "math", "path": str(rows), "task_params": {}}})
     cfg = load_config(child)
     assert cfg.data.task_params == {}
-    assert cfg.data.batch_size == 32  # the rest of `data` is still inherited
+    assert cfg.data.batch_size == 64  # the rest of `data` is still inherited
     merged = load_config(_write(tmp_path / "k4.yaml", {"extends": "recipes/gpt_oss_dapo_tiny.yaml",
                                                         "data": {"task_params": {"k": 4}}}))
     assert merged.data.task_params == {"k": 4}

@@ -143,7 +143,7 @@ def test_run_nproc_refuses_bad_input_before_launching(capsys: pytest.CaptureFixt
 
     out = tmp_path / "never"
     assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "3", "--output", str(out)]) == 2
-    assert "data.batch_size (32) must be a multiple of" in capsys.readouterr().err
+    assert "data.batch_size (64) must be a multiple of" in capsys.readouterr().err
     assert cli_main(["run", "gpt_oss_dapo_tiny.yaml", "--nproc", "2", "no.such=1", "--output", str(out)]) == 2
     assert not out.exists()
 

@@ -50,12 +50,10 @@ def test_step_level_both_recipes_pass_with_every_quantity_measured(backend_under
 
 
 def test_step_level_fails_a_backend_with_a_kernel_bug():
-    # the step of 32 prompts x 8 samples the margins below were measured at (the recipe has other batches since
-    # 2026-12-05): with 64 x 8 the planted bug still failed every row, but its effect moved between the scalars
-    # (loss 1.02x its bar, grad norm 42x, worst tensor update 2.6x, median 44x), so a 2x margin would be asked of
-    # another row
-    rows = run_parity(WrongScaleBackend(), ("step",), recipes=("gpt_oss_dapo_tiny",),
-                      overrides=("data.batch_size=32", "rollout.n=8"))
+    # the step of 32 prompts the margins below were measured at (the recipe has 64 since 2026-12-04): at 64 the
+    # planted bug still fails every row, but its effect moves between the scalars (loss 1.02x its bar, grad norm
+    # 42x, worst tensor update 2.6x, median 44x), so a 2x margin would be asked of another row
+    rows = run_parity(WrongScaleBackend(), ("step",), recipes=("gpt_oss_dapo_tiny",), overrides=("data.batch_size=32",))
     cases = _by_case(rows)
     # measured: loss 5.2x its bar, worst tensor update 3.7x, median tensor update 60x (the emulated ascend backend,
     # a correct kernel in another order, measures < 2e-3 of each bar). The grad norm is one scalar, where the bug's
