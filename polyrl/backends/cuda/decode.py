@@ -106,6 +106,9 @@ def launch_decode_kernel(
         mask = key_padding_mask
         if mask.dtype != torch.bool or mask.device != q.device:
             mask = mask.to(device=q.device, dtype=torch.bool)
+        # read as bytes (the same memory, no copy): an int8 load is the plain path on every Triton backend, where
+        # a bool pointer goes through Triton's i1 special case
+        mask = mask.view(torch.uint8)
         mask_args: tuple[Any, ...] = (mask, mask.stride(0), mask.stride(1))
     else:
         mask_args = (q, 0, 0)  # dummy pointer, never read
