@@ -17,6 +17,8 @@
 #      then the tiny recipes on rollout.engine=vllm, seeds $GPU_CHECK_SEEDS (bench/recipe_tiny.py --set; 5 cores a job:
 #      an engine's cold build on the CI's 2 cores takes minutes), one run at a time whatever GPU_CHECK_JOBS says:
 #      vLLM's sleep asserts on the GPU's free memory, which another process's engine moves (docs/rollout.md)
+#  10. two GPT-OSS layers at full width, fwd+bwd at 4k and 16k tokens: the trainer's loss path (polyrl attention +
+#      fused log-prob) beside transformers with FA4 / flex and its labels= loss, with the ratios (bench/model_step.py)
 # Writes everything under ${GPU_CHECK_OUT:-gpu_check_out}/ and prints a summary; exit 1 if a step failed.
 #
 #   bash bench/gpu_check.sh            # all steps
@@ -24,7 +26,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
-STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5 6 7 8 9"}
+STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5 6 7 8 9 10"}
 SEEDS=${GPU_CHECK_SEEDS:-"0 1 2"}
 WORKERS=${GPU_TEST_WORKERS:-3}  # pytest-xdist processes sharing the GPU: Triton compiles in parallel (8 ran out of memory)
 mkdir -p "$OUT"
@@ -83,6 +85,7 @@ if want 4; then
 fi
 want 5 && step attention $PY bench/attention.py --quick --out "$OUT/attention_quick.json"
 want 6 && step logprob_linear $PY bench/logprob_linear.py --out "$OUT/logprob_linear.json"
+want 10 && step model_step $PY bench/model_step.py --out "$OUT/model_step.json"
 ngpu=$($PY -c "import torch; print(torch.cuda.device_count())")
 if want 7 && [[ $ngpu -ge 2 ]]; then
   step two_gpu $PY bench/two_gpu.py --recipes gpt_oss_dapo_tiny --no-profile --set trainer.total_steps=40 \
