@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one GPU check: run it on a CUDA machine (an H200 here) from the repository root, after any change to code
-# that runs on a GPU (trainer, rollout, kernels, sharding). All steps took about 12 minutes on one H200 before step 10 (about 2 minutes more, not timed yet):
+# that runs on a GPU (trainer, rollout, kernels, sharding). All steps took about 12 minutes on one H200 before step 10 (step 10 not timed yet):
 #   1. the GPU tests (tests/cuda -m gpu: kernels vs the fp64 oracle, every attention kernel path, the fused
 #      lm_head log-prob kernel, the trainer on cuda: DAPO, PPO, resume, export), $GPU_TEST_WORKERS at a time
 #   2. start-up and step profile of the tiny DAPO recipe, twice (the second run is "a machine that has run it once",
