@@ -17,6 +17,7 @@ from linear_logprobs_cases import cublas_kernel, fp64_full_logits, make_inputs, 
 
 import polyrl.backends.cuda.linear_logprobs as LL
 from polyrl.backends.cuda.kernels.configs import interpreting
+from polyrl.backends.cuda.linear_logprobs_choice import PATH_ENV, linear_logprobs_report
 from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.errors import BadInputError
 from polyrl.core.tolerances import relative_error, tolerance
@@ -145,6 +146,20 @@ def test_accumulate_fallback_sums_in_fp32(monkeypatch) -> None:
     assert torch.allclose(acc, want, atol=1e-6)
 
 
+def test_path_report_names_what_runs(monkeypatch) -> None:
+    """``polyrl backends`` (kernel_choices): the path and how it was chosen, without importing Triton; a bad value
+    is reported, not raised (the command must not fail on it)."""
+    from polyrl.backends.cuda import CudaBackend
+
+    monkeypatch.delenv(PATH_ENV, raising=False)
+    report = CudaBackend().introspection.kernel_choices()["linear_logprobs"]
+    assert report["bfloat16 / float16 / float32"].startswith("triton (the default;")
+    monkeypatch.setenv(PATH_ENV, "cublas")
+    assert linear_logprobs_report()["bfloat16 / float16 / float32"].startswith(f"cublas ({PATH_ENV}=cublas;")
+    monkeypatch.setenv(PATH_ENV, "cuBLAS")
+    assert linear_logprobs_report()["all"].startswith(f"error ({PATH_ENV}='cuBLAS'")
+
+
 def test_path_switch(monkeypatch) -> None:
     """POLYRL_LINEAR_LOGPROBS, read on every call: unset/empty -> triton, cublas -> cublas, anything else refused
     in one line naming the variable and the allowed values."""
@@ -154,12 +169,12 @@ def test_path_switch(monkeypatch) -> None:
     args = _inputs(4, 8, 10, torch.float32, False)
     for value, want in ((None, "triton"), ("", "triton"), ("cublas", "cublas"), ("triton", "triton")):
         if value is None:
-            monkeypatch.delenv(LL.PATH_ENV, raising=False)
+            monkeypatch.delenv(PATH_ENV, raising=False)
         else:
-            monkeypatch.setenv(LL.PATH_ENV, value)
+            monkeypatch.setenv(PATH_ENV, value)
         triton_kernel()(args[0], args[1], args[3])
         assert ran[-1] == want, value
-    monkeypatch.setenv(LL.PATH_ENV, "cuBLAS")
+    monkeypatch.setenv(PATH_ENV, "cuBLAS")
     with pytest.raises(BadInputError) as info:
         triton_kernel()(args[0], args[1], args[3])
     msg = str(info.value)

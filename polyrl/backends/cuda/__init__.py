@@ -78,8 +78,10 @@ class CudaBackend(Backend):
         # backends runs it).
         from polyrl.backends.cuda.attention_choice import layout_report
         from polyrl.backends.cuda.decode import decode_report
+        from polyrl.backends.cuda.linear_logprobs_choice import linear_logprobs_report
 
-        return {"varlen_attention": layout_report(), "decode_attention": decode_report()}
+        return {"varlen_attention": layout_report(), "decode_attention": decode_report(),
+                "linear_logprobs": linear_logprobs_report()}
 
     def detect(self) -> Availability:
         import torch

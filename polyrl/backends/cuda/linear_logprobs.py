@@ -53,7 +53,6 @@ bf16): more accurate than the logits path, not bit-identical to it. float64 inpu
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -61,12 +60,12 @@ import triton
 from polyrl.backends.cuda.kernels.configs import interpreting
 from polyrl.backends.cuda.kernels.linear_logprobs import linear_grad_logits_kernel, linear_lse_fwd_kernel
 from polyrl.backends.cuda.kernels.linear_logprobs_cublas import logits_grad_kernel, logits_row_stats_kernel
+from polyrl.backends.cuda.linear_logprobs_choice import linear_logprobs_path
 from polyrl.core.algorithms.linear_logprobs import (
     _finish_forward,
     check_linear_inputs,
     linear_logprobs_and_entropy,
 )
-from polyrl.core.errors import BadInputError
 
 GZ_BYTES = 128 * 2**20  # the backward's ∂z buffer of one vocabulary chunk
 
@@ -237,18 +236,6 @@ def triton_fused_linear_logprobs(
 LOGITS_BYTES = 512 * 2**20  # the forward's fp32 [Tc, V] logits chunk
 GRAD_BYTES = 192 * 2**20  # the backward's fp32 z + ∂z of one [T, VC] vocabulary chunk
 ACC_TEMP_BYTES = 32 * 2**20  # the fallback dH accumulation's fp32 product block
-PATH_ENV = "POLYRL_LINEAR_LOGPROBS"
-PATHS = ("triton", "cublas")  # the first is the default
-
-
-def linear_logprobs_path() -> str:
-    """The path ``triton_linear_logprobs`` runs, read from POLYRL_LINEAR_LOGPROBS on every call (unset or empty:
-    ``triton``). The default changes to ``cublas`` only after an H200 measurement (bench/logprob_linear.py) shows
-    it faster."""
-    value = os.environ.get(PATH_ENV, "").strip() or PATHS[0]
-    if value not in PATHS:
-        raise BadInputError(f"{PATH_ENV}={value!r}: expected one of {', '.join(PATHS)}")
-    return value
 
 
 def _runs_triton(t: torch.Tensor) -> bool:
