@@ -196,7 +196,13 @@ class _TritonLinearLogprobEntropy(torch.autograd.Function):
 def _flatten_call(function: type[torch.autograd.Function], hidden: torch.Tensor, weight: torch.Tensor,
                   labels: torch.Tensor, bias: torch.Tensor | None, chunk_size: int, vocab_chunk_size: int | None,
                   temperature: float, compute_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run one of the autograd Functions on [N, H] rows; outputs in the labels' shape."""
+    """Check the inputs, then run one of the autograd Functions on [N, H] rows (float64: the exact core reference,
+    no fp64 tensor-core dot); outputs in the labels' shape."""
+    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
+    if hidden.dtype == torch.float64:
+        return linear_logprobs_and_entropy(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
+                                           vocab_chunk_size=vocab_chunk_size, temperature=temperature,
+                                           compute_entropy=compute_entropy)
     shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
@@ -223,11 +229,6 @@ def triton_fused_linear_logprobs(
     as linear_logprobs_and_entropy. The forward needs no chunking (it never stores a logit); ``vocab_chunk_size``
     sets the backward's ∂z chunk (None: ≤ 128 MiB); ``chunk_size`` is accepted for the contract and used only by
     the float64 fallback."""
-    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
-    if hidden.dtype == torch.float64:  # no fp64 tensor-core dot: the exact reference
-        return linear_logprobs_and_entropy(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
-                                           vocab_chunk_size=vocab_chunk_size, temperature=temperature,
-                                           compute_entropy=compute_entropy)
     return _flatten_call(_TritonLinearLogprobEntropy, hidden, weight, labels, bias, chunk_size, vocab_chunk_size,
                          temperature, compute_entropy)
 
@@ -481,11 +482,6 @@ def cublas_linear_logprobs(
     linear_logprobs_and_entropy. ``chunk_size``: the forward's token rows per fp32 logits chunk (fewer when one
     chunk would pass 512 MiB); ``vocab_chunk_size``: the backward's vocabulary columns per chunk (None: the fp32
     logits and ∂z of one chunk within 192 MiB). Its GPU speed is not measured yet (bench/logprob_linear.py)."""
-    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
-    if hidden.dtype == torch.float64:  # fp64: the exact reference
-        return linear_logprobs_and_entropy(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
-                                           vocab_chunk_size=vocab_chunk_size, temperature=temperature,
-                                           compute_entropy=compute_entropy)
     return _flatten_call(_CublasLinearLogprobEntropy, hidden, weight, labels, bias, chunk_size, vocab_chunk_size,
                          temperature, compute_entropy)
 
