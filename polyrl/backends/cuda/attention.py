@@ -246,6 +246,14 @@ class _VarlenAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, dsink, None
 
 
+def _check_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
+    """What both entry points refuse before any kernel runs: other than [T, H, D] tensors, a window below 1."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError("q, k, v must be [T, H, D]")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+
+
 def triton_varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -260,10 +268,7 @@ def triton_varlen_attention(
     """Packed causal attention with optional window and sinks; see the module docstring for the contract.
 
     ``options``: the kernel paths to run; None reads them from the environment (``KernelOptions.from_env``)."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("q, k, v must be [T, H, D]")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1 or None, got {window}")
+    _check_call(q, k, v, window)
     if options is None:
         options = KernelOptions.from_env()
     return _VarlenAttention.apply(q, k, v, cu_seqlens, float(scale), window, sinks, options)
@@ -284,10 +289,7 @@ def cuda_varlen_attention(
     polyrl.backends.cuda.attention_choice picks it for this call's layout, dtype, head dims and GPU (full-causal
     bf16 layers at the measured head dims on compute capability 9.x / 10.x, FA4 installed), the Triton kernel
     otherwise; ``POLYRL_CUDA_ATTENTION`` overrides. ``options`` apply to the Triton kernel only."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("q, k, v must be [T, H, D]")
-    if window is not None and window < 1:
-        raise ValueError(f"window must be >= 1 or None, got {window}")
+    _check_call(q, k, v, window)
     # An empty batch has nothing to run: the Triton kernel returns its empty output without a launch.
     if q.shape[0] > 0 and choose(q, v, window, sinks).kernel == "fa4":
         return fa4_varlen_attention(q, k, v, cu_seqlens, scale=scale, window=window, sinks=sinks)
