@@ -42,6 +42,7 @@ from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd
 from polyrl.backends.cuda.kernels.backward_fused import attn_bwd_fused_kernel
 from polyrl.backends.cuda.kernels.configs import table_configs
 from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel, prune_rows
+from polyrl.backends.cuda.per_batch import LastBatch
 from polyrl.core.errors import BadInputError
 
 LOG2E = 1.4426950408889634
@@ -112,23 +113,20 @@ def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOpt
     _TABLE_TUNERS[tuner_key][grid](*args, **meta)
 
 
-_last_bounds: list = [None, -1, 0, None]  # cu_seqlens object, its version, T, (doc_start, doc_end)
-
-
-def _doc_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token document start and end (int32 [T]), computed on the device without a host sync.
-
-    Every layer of a forward receives the same ``cu_seqlens`` object: the bounds of the last one are kept
-    (identity, unchanged in place, same T) so they are computed once per forward, not once per layer."""
-    c, version, t_last, bounds = _last_bounds
-    if c is cu_seqlens and version == cu_seqlens._version and t_last == T:
-        return bounds
+def _compute_doc_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
     cu = cu_seqlens.to(torch.int32)
     pos = torch.arange(T, device=cu.device, dtype=torch.int32)
     doc = torch.searchsorted(cu[1:], pos, right=True)  # document index of each token
-    bounds = cu[doc].contiguous(), cu[doc + 1].contiguous()
-    _last_bounds[:] = [cu_seqlens, cu_seqlens._version, T, bounds]
-    return bounds
+    return cu[doc].contiguous(), cu[doc + 1].contiguous()
+
+
+_DOC_BOUNDS = LastBatch(_compute_doc_bounds)
+
+
+def _doc_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token document start and end (int32 [T]), computed on the device without a host sync, once per forward
+    (polyrl.backends.cuda.per_batch: every layer passes the same cu_seqlens object)."""
+    return _DOC_BOUNDS.get(cu_seqlens, T)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -18,22 +18,22 @@ import os
 import torch
 
 from polyrl.backends.cuda.attention_choice import fa4_function
+from polyrl.backends.cuda.per_batch import LastBatch
 from polyrl.core.errors import BadInputError
 
 DETERMINISTIC_ENV = "POLYRL_FA4_DETERMINISTIC"
 
-_last_max: list = [None, -1, 0, 0]  # cu_seqlens object, its version, T, the longest document
+def _longest(cu_seqlens: torch.Tensor, T: int) -> int:
+    return int(torch.diff(cu_seqlens).max()) if cu_seqlens.numel() > 1 else 0  # one host read
+
+
+_LONGEST = LastBatch(_longest)
 
 
 def max_seqlen(cu_seqlens: torch.Tensor, T: int) -> int:
-    """The longest document of ``cu_seqlens`` (one host read). Every layer of a forward passes the same
-    cu_seqlens object: the last answer is kept (identity, unchanged in place, same T)."""
-    c, version, t_last, longest = _last_max
-    if c is cu_seqlens and version == cu_seqlens._version and t_last == T:
-        return longest
-    longest = int(torch.diff(cu_seqlens).max()) if cu_seqlens.numel() > 1 else 0
-    _last_max[:] = [cu_seqlens, cu_seqlens._version, T, longest]
-    return longest
+    """The longest document of ``cu_seqlens`` (one host read), once per forward (polyrl.backends.cuda.per_batch:
+    every layer passes the same cu_seqlens object)."""
+    return _LONGEST.get(cu_seqlens, T)
 
 
 def deterministic() -> bool:
