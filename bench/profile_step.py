@@ -55,18 +55,15 @@ def sync_sources(trainer, steps: int, device_type: str) -> dict[str, int]:
         if "synchroniz" in str(message).lower():
             counts[where()] += 1
 
-    previous = warnings.showwarning
-    warnings.showwarning = on_warning
     torch.cuda.set_sync_debug_mode("warn")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # restores the filters and showwarning on the way out
             warnings.simplefilter("always")
             warnings.showwarning = on_warning
             for _ in range(steps):
                 trainer.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = previous
     total = sum(counts.values())
     print(f"host<-device syncs: {total / steps:.0f} per step, by call site (top 30 of {len(counts)}):")
     for site, n in counts.most_common(30):
