@@ -241,6 +241,7 @@ def decide(setting: str, layout: str, dtype: torch.dtype, d: int, dv: int, *, ha
             problem = f"the FA4 path runs on compute capability 9.x / 10.x, not {capability[0]}.{capability[1]}"
         else:
             problem = fa4_head_dims_problem(d, dv, capability[0], has_sinks=has_sinks)
+    verdict = None
     if impl == "auto" and not problem:
         verdict = _measured_verdict(layout, dtype, d, dv)
         if verdict.kernel == "triton":
@@ -251,9 +252,9 @@ def decide(setting: str, layout: str, dtype: torch.dtype, d: int, dv: int, *, ha
             raise BadInputError(f"{ENV}={setting} forces FlashAttention-4 for {layout} layers, but it cannot run "
                                 f"this call: {problem}")
         return Choice("fa4", f"{ENV}={setting}")
-    if problem:
+    if problem or verdict is None:
         return Choice("triton", problem)
-    return _measured_verdict(layout, dtype, d, dv)
+    return verdict
 
 
 _CHOICES: dict[tuple, Choice] = {}
