@@ -12,6 +12,7 @@ import torch
 from polyrl.core.algorithms import rollout_correction as RC
 
 RC_KEY = "algorithm.rollout_correction"
+RECOMPUTE = "algorithm.old_logprobs=recompute"
 SHORT = ["trainer.total_steps=2", "data.batch_size=8", "trainer.save_every=0"]
 MISMATCH = ["mismatch/applied", "mismatch/k1", "mismatch/k3", "mismatch/seq_k1", "mismatch/is_mean", "mismatch/is_max",
             "mismatch/is_clipped_frac", "mismatch/masked_frac", "mismatch/seq_is_mean", "mismatch/seq_is_max",
@@ -23,7 +24,9 @@ def _no_time(rows: list[dict]) -> list[dict]:
 
 
 def test_auto_is_off_on_the_hf_engine_and_equals_false(tmp_path: Path, run_cli, read_metrics) -> None:
-    rc, _, err = run_cli(["gpt_oss_dapo_tiny", "--output", str(tmp_path / "auto"), *SHORT])
+    # π_old recomputed by the trainer (the hf engine's default takes the engine's log-probs, measured on the drift
+    # check's steps only: tests/trainer/test_old_logprobs.py), so every step has the mismatch metrics
+    rc, _, err = run_cli(["gpt_oss_dapo_tiny", "--output", str(tmp_path / "auto"), *SHORT, RECOMPUTE])
     assert rc == 0, err
     assert "rollout correction off (auto: engine hf shares the trainer weights); mismatch metrics only" in err
     auto = read_metrics(tmp_path / "auto")
@@ -33,7 +36,8 @@ def test_auto_is_off_on_the_hf_engine_and_equals_false(tmp_path: Path, run_cli, 
         # the hf engine's log-probs are the trainer's up to the KV cache's rounding
         assert abs(r["mismatch/k1"]) < 1e-6 and 0 <= r["mismatch/k3"] < 1e-9
         assert r["mismatch/is_clipped_frac"] == 0 and abs(r["mismatch/is_max"] - 1) < 1e-4
-    rc, _, err = run_cli(["gpt_oss_dapo_tiny", "--output", str(tmp_path / "off"), *SHORT, f"{RC_KEY}.enable=false"])
+    rc, _, err = run_cli(["gpt_oss_dapo_tiny", "--output", str(tmp_path / "off"), *SHORT, RECOMPUTE,
+                          f"{RC_KEY}.enable=false"])
     assert rc == 0, err
     assert "rollout correction off (algorithm.rollout_correction.enable=false)" in err
     assert _no_time(read_metrics(tmp_path / "off")) == _no_time(auto)

@@ -25,8 +25,10 @@ def test_a_run_with_routing_replay_trains_and_reports_the_mismatch(recipe: str, 
     assert rc == 0, err
     rows = read_metrics(out)
     assert len(rows) == 2 and all(math.isfinite(r["loss/total"]) for r in rows)
-    if mode == "r3":  # the hf engine is the trainer's fp32 model: its routes are (nearly always) the trainer's own
-        assert all(0.0 <= r["rollout/routing_mismatch"] <= 0.01 for r in rows)
+    if mode == "r3":  # the hf engine is the trainer's fp32 model: its routes are (nearly always) the trainer's own;
+        # measured in the trainer's old-log-prob forward, which the hf engine's default (algorithm.old_logprobs auto:
+        # the engine's) runs on the drift check's steps only: step 1, then every 10
+        assert 0.0 <= rows[0]["rollout/routing_mismatch"] <= 0.01 and "rollout/routing_mismatch" not in rows[1]
     else:  # r2: no engine routes, nothing to compare in the old-log-prob pass
         assert all("rollout/routing_mismatch" not in r for r in rows)
 
@@ -134,8 +136,9 @@ def test_r3_with_the_hf_engine_and_one_update_per_step_is_the_off_run_exactly(tm
                               *one])
         assert rc == 0, err
         rows[mode] = read_metrics(out)
+    assert rows["r3"][0]["rollout/routing_mismatch"] == 0.0  # measured on the drift check's steps (step 1 here)
     for off, r3 in zip(rows["off"], rows["r3"]):
-        assert r3["rollout/routing_mismatch"] == 0.0 and r3["actor/routing_changed"] == 0.0
+        assert r3.get("rollout/routing_mismatch", 0.0) == 0.0 and r3["actor/routing_changed"] == 0.0
         same = {k: v for k, v in off.items() if not k.startswith(("time/", "memory/"))}
         assert same == {k: r3[k] for k in same}
 

@@ -23,8 +23,6 @@ COMMON = [
     "reward/mean",
     "loss/policy",
     "time/step_s",
-    "rollout/logprob_diff",
-    "actor/entropy",
     "actor/grad_norm",
     "actor/lr",
     "response/length_mean",
@@ -55,8 +53,13 @@ def test_short_run_writes_the_run_directory(
     for key in COMMON + extra:
         assert all(key in r for r in rows), key
         assert all(isinstance(r[key], (int, float)) and math.isfinite(r[key]) for r in rows), key
+    # π_old is the hf engine's log-probs (algorithm.old_logprobs auto); the trainer's forward runs as the drift check
+    # on step 1 and then every 10 steps: only those rows have its metrics
+    checked = ("rollout/logprob_diff", "actor/entropy", "mismatch/k3")
+    assert all(math.isfinite(rows[0][k]) for k in checked)
+    assert not any(k in r for r in rows[1:] for k in checked)
     # sampling logprobs from the engine agree with the trainer's recompute (same weights, fp32)
-    assert max(r["rollout/logprob_diff"] for r in rows) < 1e-4
+    assert rows[0]["rollout/logprob_diff"] < 1e-4
     assert 0.0 <= rows[0]["reward/mean"] <= 1.0
     # the written config is the fully resolved one, and loads back to the same config
     written = load_config(out / "config.yaml")
@@ -173,8 +176,9 @@ def test_sigint_stops_a_run_cleanly_and_releases_its_directory(tmp_path: Path) -
     assert lines[0].startswith("polyrl run: backend cpu")  # the run log's first line names the backend
     assert lines[1].startswith("polyrl run: rollout engine hf")  # then the engine and why
     assert lines[2].startswith("polyrl run: rollout correction off")  # then whether the correction is on, and why
-    assert "Traceback" not in err and len(lines) == 4 and "stopped by SIGINT at step" in lines[3], err
-    assert "the same command resumes from step" in lines[3]
+    assert lines[3].startswith("polyrl run: old log-probs from the engine")  # then where π_old comes from
+    assert "Traceback" not in err and len(lines) == 5 and "stopped by SIGINT at step" in lines[4], err
+    assert "the same command resumes from step" in lines[4]
     assert all((p / "COMPLETE").exists() for p in (out / "checkpoints").glob("step_????????"))
     check_unlocked(out)  # the lock went with the process
 
@@ -252,7 +256,8 @@ def test_non_finite_updates_in_a_row_abort_without_a_checkpoint(
     assert lines[0].startswith("polyrl run: backend cpu (polyrl ")  # the run log names its backend first
     assert lines[1].startswith("polyrl run: rollout engine hf")  # then the engine and why
     assert lines[2].startswith("polyrl run: rollout correction off")
-    assert len(lines) == 4 and "not finite" in lines[3] and "in a row" in lines[3]
+    assert lines[3].startswith("polyrl run: old log-probs from the engine")
+    assert len(lines) == 5 and "not finite" in lines[4] and "in a row" in lines[4]
     assert "Traceback" not in err
     assert not any((out / "checkpoints").glob("step_*"))
 

@@ -41,6 +41,7 @@ def check_config(cfg: RunConfig) -> None:
         raise BadInputError("rollout.n: grpo needs at least 2 samples per prompt")
     _check_lora(cfg)
     _check_rollout_correction(alg.rollout_correction)
+    _check_old_logprobs(cfg)
 
 
 def _check_band(name: str, band: list[float]) -> None:
@@ -63,6 +64,25 @@ def _check_rollout_correction(rc: RolloutCorrectionConfig) -> None:
     if rc.enable is True and rc.is_level is None and rc.token_mask_band is None and rc.seq_reject is None:
         raise BadInputError(f"{where}.enable: true with is_level, token_mask_band and seq_reject all null "
                             "corrects nothing")
+
+
+def _check_old_logprobs(cfg: RunConfig) -> None:
+    """algorithm.old_logprobs against what needs the trainer's own π_old (what depends on the engine is resolved
+    when the trainer is built: polyrl.core.trainer.mismatch.resolve_old_logprobs)."""
+    alg = cfg.algorithm
+    every = alg.old_logprobs_check_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise BadInputError(f"algorithm.old_logprobs_check_every: expected an integer >= 0, got {every!r}")
+    if alg.old_logprobs != "engine":
+        return
+    if alg.rollout_correction.enable is True:
+        raise BadInputError("algorithm.old_logprobs=engine: the rollout correction weighs the engine's log-probs "
+                            "against the trainer's recomputed ones; with engine log-probs as pi_old every weight "
+                            "is 1 (set algorithm.rollout_correction.enable=false, or old_logprobs=recompute)")
+    if cfg.rollout.routing_replay == "r2":
+        raise BadInputError("algorithm.old_logprobs=engine: rollout.routing_replay=r2 replays the routing of the "
+                            "trainer's old-log-prob forward, which engine log-probs skip (use r3, or "
+                            "old_logprobs=recompute)")
 
 
 def _check_lora(cfg: RunConfig) -> None:

@@ -188,6 +188,14 @@ class AlgorithmConfig:
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    # π_old, the PPO ratio's denominator (docs/algorithms.md, "Old log-probs: recompute or the engine's"): recompute
+    # (the trainer's forward over the batch after the rollout), engine (the engine's sampling log-probs μ: that
+    # forward is skipped), auto (engine for an engine that shares the trainer's weights, hf, unless the rollout
+    # correction is on or rollout.routing_replay is r2; recompute otherwise). The run log says which.
+    old_logprobs: Literal["auto", "recompute", "engine"] = "auto"
+    # With engine log-probs: every N steps (the first included) the trainer's forward still runs as a drift check:
+    # rollout/logprob_diff and actor/entropy are logged on those steps only. 0: never.
+    old_logprobs_check_every: int = 10
 
 
 @dataclass

@@ -132,6 +132,9 @@ class Experience:
     ref_logp: torch.Tensor | None = None  # [B, R] the frozen reference (KL terms)
     values: torch.Tensor | None = None  # [B, R] the critic before the update (GAE)
     view_metrics: ViewMetrics | None = None  # of the three views above (Trainer.collect)
+    # [B, R] the trainer's recomputed log-probs when ``old_logp`` is the engine's (algorithm.old_logprobs=engine) and
+    # this step runs the drift check; the mismatch metrics are measured on them. None otherwise.
+    check_logp: torch.Tensor | None = None
 
 
 def decode_response(tokenizer: Any, ids: list[int], stop_ids: set[int]) -> str:

@@ -48,7 +48,7 @@ from polyrl.core.trainer import sync
 from polyrl.core.trainer.batch import forward_all, policy_forward, split_routes, value_forward
 from polyrl.core.trainer.experience import Experience, sample_experience
 from polyrl.core.trainer.metrics import StepMetrics, UpdateMetrics, ViewMetrics, flatten
-from polyrl.core.trainer.mismatch import resolve_enable
+from polyrl.core.trainer.mismatch import resolve_enable, resolve_old_logprobs
 from polyrl.core.trainer.prepare import UpdateInputs, global_mean, prepare_update
 from polyrl.core.trainer.setup import Components, build_components
 from polyrl.core.trainer.update import update_actor, update_critic
@@ -101,6 +101,12 @@ class Trainer:
         rc_on, self.correction_choice = resolve_enable(rc, str(getattr(self.engine, "name", type(self.engine).__name__)),
                                                        is_verified(self.engine))
         self.algorithm = dataclasses.replace(cfg.algorithm, rollout_correction=dataclasses.replace(rc, enable=rc_on))
+        # algorithm.old_logprobs resolved likewise: True when π_old is the engine's sampling log-probs
+        self.old_logp_from_engine, self.old_logprobs_choice = resolve_old_logprobs(
+            cfg.algorithm, str(getattr(self.engine, "name", type(self.engine).__name__)), is_verified(self.engine),
+            rc_on, str(cfg.rollout.routing_replay))
+        self.algorithm = dataclasses.replace(
+            self.algorithm, old_logprobs="engine" if self.old_logp_from_engine else "recompute")
         self.sync_metrics = sync.verify(self.engine, self.models.actor, self.probe, self.probe_dtype,
                                         **self._probe_kwargs())
 
@@ -124,6 +130,7 @@ class Trainer:
         if self.engine_choice:
             log(self.engine_choice)
         log(self.correction_choice)
+        log(self.old_logprobs_choice)
         total, every, guard = self.cfg.trainer.total_steps, self.cfg.trainer.save_every, self.guard
         last: dict[str, float] = {}
         with guard.run(run_dir.checkpoints), self._opened(run_dir, resumed, log), \
@@ -233,9 +240,14 @@ class Trainer:
             return logp
 
         routing_kw = {"record_routes": True} if record else {}
-        old_logp = forward_all(actor_fn, batch, budget)
+        # algorithm.old_logprobs: with the engine's log-probs as π_old the actor's forward runs only on the drift
+        # check's steps (and then measures, it does not replace: π_old stays the engine's)
+        every = self.cfg.algorithm.old_logprobs_check_every
+        recompute = not self.old_logp_from_engine or (every > 0 and self.state.step % every == 0)
+        trainer_logp = forward_all(actor_fn, batch, budget) if recompute else None
+        old_logp = batch.rollout_logp.clone() if self.old_logp_from_engine else trainer_logp
         routing_mismatch = replay.changed / replay.forced if replay is not None and replay.forced else None
-        if replay is not None and batch.routes is not None and not replay.forced:
+        if recompute and replay is not None and batch.routes is not None and not replay.forced:
             # e.g. a hub kernel that replaces the whole MoE block and never calls its router module
             raise RuntimeError("routing replay: routes were given but no router hook ran them (the model's MoE "
                                "forward bypasses its router modules)")
@@ -260,11 +272,13 @@ class Trainer:
                                  batch, budget)
         metrics = ViewMetrics(
             batch_tokens=sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)),  # this rank's
-            rollout_logprob_diff=global_mean((old_logp - batch.rollout_logp).abs(), batch.mask),
-            actor_entropy=global_mean(ent, batch.mask), kl_actor_ref=kl_ref,
+            rollout_logprob_diff=(None if trainer_logp is None
+                                  else global_mean((trainer_logp - batch.rollout_logp).abs(), batch.mask)),
+            actor_entropy=None if trainer_logp is None else global_mean(ent, batch.mask), kl_actor_ref=kl_ref,
             time_old_logprob_s=time.perf_counter() - t0, rollout_routing_mismatch=routing_mismatch,
         )
-        return dataclasses.replace(exp, old_logp=old_logp, ref_logp=ref_logp, values=values, view_metrics=metrics)
+        return dataclasses.replace(exp, old_logp=old_logp, ref_logp=ref_logp, values=values, view_metrics=metrics,
+                                   check_logp=trainer_logp if self.old_logp_from_engine else None)
 
     def prepare_update(self, exp: Experience) -> UpdateInputs:
         """Stage 2 (pure): advantages, returns, token rewards for ``exp`` (:func:`prepare.prepare_update`)."""

@@ -66,8 +66,10 @@ class ViewMetrics:
     """The trainer's views of the sampled tokens (``Trainer.collect``): old and reference log-probs."""
 
     batch_tokens: int  # prompt + response tokens of this rank's rows (summed over ranks when logged)
-    rollout_logprob_diff: float  # mean |trainer - engine| log-prob over the response tokens
-    actor_entropy: float
+    # mean |trainer - engine| log-prob over the response tokens, and the actor's entropy there: from the trainer's
+    # old-log-prob forward, so None on the steps that take the engine's log-probs as π_old without the check
+    rollout_logprob_diff: float | None
+    actor_entropy: float | None
     kl_actor_ref: float | None  # k1 KL of the actor from the reference (None without a reference)
     time_old_logprob_s: float  # the actor's, reference's and critic's forwards
     # rollout.routing_replay=r3: share of (token, MoE layer) pairs whose replayed experts (the engine's) are not the

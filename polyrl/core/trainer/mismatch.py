@@ -12,7 +12,8 @@ import torch
 
 from polyrl.core import distributed as D
 from polyrl.core.algorithms import rollout_correction as RC
-from polyrl.core.config import RolloutCorrectionConfig
+from polyrl.core.config import AlgorithmConfig, RolloutCorrectionConfig
+from polyrl.core.errors import BadInputError
 from polyrl.core.trainer.metrics import MismatchMetrics
 
 
@@ -31,6 +32,37 @@ def resolve_enable(rc: RolloutCorrectionConfig, engine_name: str, own_weights: b
     if rc.seq_reject is not None:
         parts.append(f"sequences rejected by {rc.seq_reject} ratio outside {rc.seq_reject_band}")
     return True, f"rollout correction on ({why}): {'; '.join(parts)}"
+
+
+def resolve_old_logprobs(alg: AlgorithmConfig, engine_name: str, own_weights: bool, correction_on: bool,
+                         routing_replay: str) -> tuple[bool, str]:
+    """Whether π_old is the engine's sampling log-probs (``algorithm.old_logprobs`` resolved for this engine, with the
+    rollout correction already resolved), and one line for the run log. auto takes the engine's for an engine that
+    shares the trainer's weights (hf: it samples with the trainer's own model, so its log-probs are the behaviour
+    policy's, to rounding), unless the correction is on (its weights compare the two) or r2 replays the routing of
+    the trainer's forward. An explicit ``engine`` that cannot be honoured is a config error."""
+    mode = alg.old_logprobs
+    if mode == "engine" and correction_on:
+        raise BadInputError(f"algorithm.old_logprobs=engine: the rollout correction is on for engine {engine_name} "
+                            "(algorithm.rollout_correction.enable resolved to true) and needs the trainer's "
+                            "recomputed log-probs; set rollout_correction.enable=false or old_logprobs=recompute")
+    if mode == "engine" and routing_replay == "r2":
+        raise BadInputError("algorithm.old_logprobs=engine: rollout.routing_replay=r2 needs the trainer's "
+                            "old-log-prob forward")
+    if mode == "auto":
+        use = not own_weights and not correction_on and routing_replay != "r2"
+        why = (f"auto: engine {engine_name} "
+               + ("shares the trainer's weights" if use else
+                  "has its own weights" if own_weights else
+                  "with the rollout correction on" if correction_on else "with routing replay r2"))
+    else:
+        use, why = mode == "engine", f"algorithm.old_logprobs={mode}"
+    if not use:
+        return False, f"old log-probs recomputed by the trainer ({why})"
+    every = alg.old_logprobs_check_every
+    check = (f"the trainer's forward every {every} steps as a drift check (rollout/logprob_diff, actor/entropy)"
+             if every else "no drift check")
+    return True, f"old log-probs from the engine ({why}); {check}"
 
 
 def rollout_correction(

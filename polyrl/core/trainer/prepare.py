@@ -66,8 +66,8 @@ def prepare_update(alg: AlgorithmConfig, exp: Experience, *, kl_ctrl: Any = None
     advantages: GAE with the critic's values (whitened over the global batch), or the group-relative
     (GRPO / DAPO) advantage broadcast over the response; the rollout correction's weights and mask from the
     engine's and the trainer's log-probs (``alg.rollout_correction.enable`` resolved: ``Trainer`` does it), and
-    the mismatch metrics. ``exp`` must carry ``old_logp`` (and ``ref_logp`` / ``values`` where the algorithm uses
-    them)."""
+    the mismatch metrics (when ``alg.old_logprobs`` is "engine", π_old is the engine's μ: no weights, and the
+    metrics of ``exp.check_logp`` against μ on the steps that have it). ``exp`` must carry ``old_logp`` (and ``ref_logp`` / ``values`` where the algorithm uses them)."""
     batch = exp.batch
     if batch is None or exp.old_logp is None:
         raise ValueError("prepare_update needs an experience with a batch and its old log-probs (Trainer.collect)")
@@ -87,8 +87,14 @@ def prepare_update(alg: AlgorithmConfig, exp: Experience, *, kl_ctrl: Any = None
         seq = A.sequence_scores(token_rewards, mask)
         advantages = A.broadcast_to_tokens(A.group_advantages(seq, batch.group_ids, norm_by_std=alg.norm_adv_by_std),
                                            mask)
-    is_weights, loss_mask, mismatch = rollout_correction(alg.rollout_correction, exp.old_logp, batch.rollout_logp,
-                                                         mask)
+    if alg.old_logprobs == "engine":  # π_old is μ (resolved by Trainer; the correction is then off): no weights,
+        # and the mismatch measured on the drift check's recomputed log-probs, on the steps that have them
+        is_weights = loss_mask = mismatch = None
+        if exp.check_logp is not None:
+            _, _, mismatch = rollout_correction(alg.rollout_correction, exp.check_logp, batch.rollout_logp, mask)
+    else:
+        is_weights, loss_mask, mismatch = rollout_correction(alg.rollout_correction, exp.old_logp, batch.rollout_logp,
+                                                             mask)
     metrics = PrepareMetrics(kl_reward_kl=reward_kl, kl_coef=kl_coef, advantages_mean=global_mean(advantages, mask),
                              advantages_abs_mean=global_mean(advantages.abs(), mask), mismatch=mismatch)
     return UpdateInputs(batch, exp.old_logp, advantages, ref_logp=exp.ref_logp, values=exp.values, returns=returns,
