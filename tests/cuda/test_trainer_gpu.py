@@ -55,7 +55,8 @@ def test_the_engine_samples_the_same_tokens_on_the_gpu_and_the_cpu() -> None:
 def test_dapo_with_dynamic_sampling_trains_on_the_gpu(tmp_path: Path) -> None:
     out = tmp_path / "dapo"
     rc = _run(["recipes/gpt_oss_dapo_tiny.yaml", "--output", str(out), *SHORT,
-               "algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.max_num_gen_batches=2"])
+               "algorithm.dynamic_sampling.enable=true", "algorithm.dynamic_sampling.max_num_gen_batches=2",
+               "algorithm.old_logprobs_check_every=1"])  # the trainer's forward every step: logprob_diff each row
     assert rc == 0
     rows = _metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
