@@ -5,9 +5,9 @@ Every method starts from the same last hidden states [T, H] and lm_head weight [
 grad) and ends with their gradients:
 - ``polyrl fused (triton)``: the cuda backend's Triton path, ``triton_fused_linear_logprobs`` (Triton forward with
   the matmul fused into the softmax statistics; Triton backward recomputing each vocabulary chunk's logit
-  gradient, dW and dH by cuBLAS; the default of ``POLYRL_LINEAR_LOGPROBS``): log-probs and entropy;
+  gradient, dW and dH by cuBLAS; ``POLYRL_LINEAR_LOGPROBS=triton``): log-probs and entropy;
 - ``polyrl fused (cublas)``: the cuda backend's cuBLAS path, ``cublas_linear_logprobs``
-  (``POLYRL_LINEAR_LOGPROBS=cublas``: all four matmuls in cuBLAS with fp32 logits, Triton only reads them):
+  (``POLYRL_LINEAR_LOGPROBS=cublas``, the default: all four matmuls in cuBLAS with fp32 logits, Triton only reads them):
   same; the two rows call their paths directly, whatever the variable says;
 - ``polyrl reference (chunked)``: ``A.linear_logprobs_and_entropy`` (token x vocab tiles, torch matmuls): same;
 - ``polyrl logits + chunked``: logits = h @ W^T (bf16 [T, V]), then ``A.logprobs_and_entropy`` (the trainer's

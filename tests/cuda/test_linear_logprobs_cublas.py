@@ -153,7 +153,7 @@ def test_path_report_names_what_runs(monkeypatch) -> None:
 
     monkeypatch.delenv(PATH_ENV, raising=False)
     report = CudaBackend().introspection.kernel_choices()["linear_logprobs"]
-    assert report["bfloat16 / float16 / float32"].startswith("triton (the default;")
+    assert report["bfloat16 / float16 / float32"].startswith("cublas (the default;")
     monkeypatch.setenv(PATH_ENV, "cublas")
     assert linear_logprobs_report()["bfloat16 / float16 / float32"].startswith(f"cublas ({PATH_ENV}=cublas;")
     monkeypatch.setenv(PATH_ENV, "cuBLAS")
@@ -161,13 +161,13 @@ def test_path_report_names_what_runs(monkeypatch) -> None:
 
 
 def test_path_switch(monkeypatch) -> None:
-    """POLYRL_LINEAR_LOGPROBS, read on every call: unset/empty -> triton, cublas -> cublas, anything else refused
+    """POLYRL_LINEAR_LOGPROBS, read on every call: unset/empty -> cublas, cublas -> cublas, anything else refused
     in one line naming the variable and the allowed values."""
     ran = []
     monkeypatch.setattr(LL, "triton_fused_linear_logprobs", lambda *a, **k: ran.append("triton"))
     monkeypatch.setattr(LL, "cublas_linear_logprobs", lambda *a, **k: ran.append("cublas"))
     args = _inputs(4, 8, 10, torch.float32, False)
-    for value, want in ((None, "triton"), ("", "triton"), ("cublas", "cublas"), ("triton", "triton")):
+    for value, want in ((None, "cublas"), ("", "cublas"), ("cublas", "cublas"), ("triton", "triton")):
         if value is None:
             monkeypatch.delenv(PATH_ENV, raising=False)
         else:
@@ -178,7 +178,7 @@ def test_path_switch(monkeypatch) -> None:
     with pytest.raises(BadInputError) as info:
         triton_kernel()(args[0], args[1], args[3])
     msg = str(info.value)
-    assert "\n" not in msg and "POLYRL_LINEAR_LOGPROBS" in msg and "triton, cublas" in msg and "'cuBLAS'" in msg
+    assert "\n" not in msg and "POLYRL_LINEAR_LOGPROBS" in msg and "cublas, triton" in msg and "'cuBLAS'" in msg
 
 
 def test_gpt_oss_width_chunks() -> None:
