@@ -1,0 +1,220 @@
+"""Launch-config sweep of the cuda backend's Triton attention kernels (forward, dQ, dK/dV) on GPT-OSS shapes.
+
+Each kernel is timed alone (``triton.testing.do_bench``) for every candidate config in CANDIDATES, on the saved
+tensors of one real forward (so the backward kernels see the real LSE, O and dO), and each candidate's outputs are
+compared with the current default config's (the first config of polyrl.backends.cuda.kernels.configs): a
+candidate whose outputs differ by more than bf16 rounding is marked ``WRONG`` and never picked. Printed per
+layout: every candidate's ms, its ratio to the default, and the best; with FA4 importable, FA4's fwd and fwd+bwd
+from the same process beside the default's and the best configs' sum, and the ratios.
+
+    python bench/attention_sweep.py [--layouts 4x4096,1x16384] [--windows none] [--out bench/results/attention_sweep.json]
+
+Why a sweep and not ``POLYRL_TRITON_AUTOTUNE=1``: the autotuner prints only its pick, not the table of all
+candidates, and it cannot flag a config whose result is wrong. Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); BLOCK_M counts (token, head-of-the-group) rows: at GPT-OSS's
+# G = 8, BLOCK_M = 64 is 8 tokens. The first row of each list is today's default (configs.py), kept first.
+CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
+    "fwd": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (128, 128, 8, 2),
+            (128, 64, 4, 4), (256, 64, 8, 3), (256, 128, 8, 2), (64, 64, 4, 3), (64, 128, 4, 3)],
+    "dq": [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3), (128, 32, 4, 4), (128, 128, 8, 2),
+           (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (256, 64, 8, 2), (256, 64, 8, 3), (256, 32, 8, 3)],
+    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 4),
+             (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 3), (16, 128, 4, 4), (128, 128, 8, 2), (128, 64, 8, 3)],
+}
+H_Q, H_KV, HEAD_DIM = 64, 8, 64
+
+
+def _case(layout: str, window: int | None, device: str = "cuda", dtype=None):
+    import torch
+
+    dtype = dtype or torch.bfloat16
+
+    n, L = (int(x) for x in layout.split("x"))
+    T = n * L
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = (torch.randn(T, H_Q, HEAD_DIM, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    k = (torch.randn(T, H_KV, HEAD_DIM, generator=g) * 0.5).to(device, dtype).requires_grad_()
+    v = torch.randn(T, H_KV, HEAD_DIM, generator=g).to(device, dtype).requires_grad_()
+    sinks = torch.randn(H_Q, generator=g).to(device, dtype).requires_grad_()
+    cu = torch.arange(0, T + 1, L, dtype=torch.int32, device=device)
+    do = torch.randn(T, H_Q, HEAD_DIM, generator=g).to(device, dtype)
+    return q, k, v, sinks, cu, do, window
+
+
+def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype=None, do_bench=None,
+                 candidates: dict | None = None) -> dict:
+    """One layout's sweep (module docstring). ``device`` / ``dtype`` / ``do_bench`` / ``candidates``: for the CPU
+    check of this script under TRITON_INTERPRET=1 (tests/cuda/test_attention_sweep_interpret.py)."""
+    import torch
+    import triton
+
+    if do_bench is None:
+        from triton.testing import do_bench
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    from polyrl.backends.cuda.attention import LOG2E, KernelOptions, triton_varlen_attention
+    from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
+    from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel
+
+    q, k, v, sinks, cu, do, window = _case(layout, window, device, dtype)
+    options = KernelOptions()
+    scale = HEAD_DIM ** -0.5
+    out = triton_varlen_attention(q, k, v, cu, scale=scale, window=window, sinks=sinks, options=options)
+    qs, ks, vs, o, lse, doc_start, doc_end, _s = out.grad_fn.saved_tensors
+    T = qs.shape[0]
+    G = H_Q // H_KV
+    G_P = triton.next_power_of_2(G)
+    W = int(window) if window is not None else 0
+    band = options.band(window)
+    delta = torch.empty((T, H_Q), device=q.device, dtype=torch.float32)
+    bwd_preprocess_kernel[(triton.cdiv(T * H_Q, 64),)](o, do, delta, T * H_Q, o.stride(1), do.stride(1),
+                                                        DV=HEAD_DIM, BLOCK_R=64, BLOCK_DV=HEAD_DIM)
+    common = dict(D=HEAD_DIM, DV=HEAD_DIM, G_P=G_P, BLOCK_D=HEAD_DIM, BLOCK_DV=HEAD_DIM, HAS_WINDOW=window is not None,
+                  DOT_PREC="tf32" if q.dtype != torch.float32 else "ieee", BAND=band)
+    sink_arg = sinks.detach().float().contiguous()
+
+    def run(kernel: str, cfg: tuple[int, int, int, int], heavy_first: bool = False):
+        m, n, w, s = cfg
+        launch = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+        if kernel == "fwd":
+            o2 = torch.empty_like(o)
+            lse2 = torch.empty_like(lse)
+            args = (qs, ks, vs, o2, lse2, sink_arg, doc_start, T, W, G, scale * LOG2E, qs.stride(0), qs.stride(1),
+                    ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1), o2.stride(0), o2.stride(1), H_Q)
+
+            def go():
+                attn_fwd_kernel.fn[(triton.cdiv(T, m // G_P), H_KV)](
+                    *args, **common, HAS_SINK=True, HEAVY_FIRST=heavy_first, **launch)
+            return go, (o2, lse2)
+        if kernel == "dq":
+            dq = torch.empty_like(qs)
+            d_exact = torch.empty_like(delta)
+            args = (qs, ks, vs, do, lse, delta, dq, doc_start, d_exact, T, W, G, scale * LOG2E, scale,
+                    qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+                    do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), H_Q)
+
+            def go():
+                attn_bwd_dq_kernel.fn[(triton.cdiv(T, m // G_P), H_KV)](*args, **common, HEAVY_FIRST=heavy_first,
+                                                                          **launch)
+            return go, (dq, d_exact)
+        dk, dv = torch.empty_like(ks), torch.empty_like(vs)
+        args = (qs, ks, vs, do, lse, delta, dk, dv, doc_start, doc_end, T, W, G, scale * LOG2E, scale,
+                qs.stride(0), qs.stride(1), ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1),
+                do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H_Q)
+
+        def go():
+            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n), H_KV)](*args, **common, **launch)
+        return go, (dk, dv)
+
+    result: dict = {"layout": layout, "window": window, "kernels": {}}
+    for kernel, cands in (candidates or CANDIDATES).items():
+        variants = [(c, False) for c in cands]
+        if kernel in ("fwd", "dq"):
+            variants += [(c, True) for c in cands[:4]]  # heavy (last) q tiles first
+        ref = None
+        rows = []
+        for cfg, heavy in variants:
+            label = f"M{cfg[0]} N{cfg[1]} w{cfg[2]} s{cfg[3]}" + (" heavy-first" if heavy else "")
+            try:
+                go, outs = run(kernel, cfg, heavy)
+                go()
+                sync()
+                ms = do_bench(go, warmup=25, rep=100)
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is reported
+                print(f"  {layout} w={window} {kernel:5s} {label:28s} failed: {type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0][:100]}", flush=True)
+                rows.append({"config": label, "ms": None, "error": type(exc).__name__})
+                continue
+            if ref is None:
+                ref = [x.float().clone() for x in outs]
+                err = 0.0
+            else:
+                err = max(float((x.float() - r).abs().max() / r.abs().max().clamp(min=1e-6))
+                          for x, r in zip(outs, ref))
+            ok = err <= 2e-2
+            rows.append({"config": label, "ms": ms, "max_rel_diff_vs_default": err, "ok": ok})
+            print(f"  {layout} w={window} {kernel:5s} {label:28s} {ms:8.3f} ms  x{ms / rows[0]['ms']:.3f} of default"
+                  f"{'' if ok else '  WRONG (diff %.1e)' % err}", flush=True)
+        good = [r for r in rows if r.get("ms") is not None and r["ok"]]
+        best = min(good, key=lambda r: r["ms"])
+        result["kernels"][kernel] = {"rows": rows, "default": rows[0], "best": best}
+        print(f"{layout} w={window} {kernel}: default {rows[0]['ms']:.3f} ms, best {best['config']} "
+              f"{best['ms']:.3f} ms (x{best['ms'] / rows[0]['ms']:.3f})", flush=True)
+    kern = result["kernels"]
+    pre = do_bench(lambda: bwd_preprocess_kernel[(triton.cdiv(T * H_Q, 64),)](
+        o, do, delta, T * H_Q, o.stride(1), do.stride(1), DV=HEAD_DIM, BLOCK_R=64, BLOCK_DV=HEAD_DIM),
+        warmup=25, rep=100)
+    result["preprocess_ms"] = pre
+    for which in ("default", "best"):
+        f = kern["fwd"][which]["ms"]
+        result[f"{which}_fwd_ms"] = f
+        result[f"{which}_fwd_bwd_kernels_ms"] = f + pre + kern["dq"][which]["ms"] + kern["dkdv"][which]["ms"]
+    try:
+        from polyrl.backends.cuda.fa4 import fa4_varlen_attention
+
+        def fa4_fwd():
+            return fa4_varlen_attention(q, k, v, cu, scale=scale, window=window, sinks=sinks)
+
+        fa4_fwd()
+        f_ms = do_bench(fa4_fwd, warmup=25, rep=100)
+
+        def fa4_fb():
+            fa4_fwd().backward(do)
+        fa4_fb()
+        fb_ms = do_bench(fa4_fb, warmup=25, rep=100, grad_to_none=[q, k, v, sinks])
+        result["fa4_fwd_ms"], result["fa4_fwd_bwd_ms"] = f_ms, fb_ms
+    except Exception as exc:  # noqa: BLE001 - FA4 is optional: say why it is absent
+        result["fa4"] = f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+    def ours_fb():
+        triton_varlen_attention(q, k, v, cu, scale=scale, window=window, sinks=sinks, options=options).backward(do)
+    ours_fb()
+    result["polyrl_fwd_bwd_ms_end_to_end"] = do_bench(ours_fb, warmup=25, rep=100, grad_to_none=[q, k, v, sinks])
+    line = (f"{layout} w={window}: kernels fwd+bwd default {result['default_fwd_bwd_kernels_ms']:.3f} ms, "
+            f"best {result['best_fwd_bwd_kernels_ms']:.3f} ms; polyrl end to end {result['polyrl_fwd_bwd_ms_end_to_end']:.3f} ms")
+    if "fa4_fwd_bwd_ms" in result:
+        line += (f"; FA4 {result['fa4_fwd_ms']:.3f} / {result['fa4_fwd_bwd_ms']:.3f} ms -> ratio default "
+                 f"{result['default_fwd_bwd_kernels_ms'] / result['fa4_fwd_bwd_ms']:.2f}x, best "
+                 f"{result['best_fwd_bwd_kernels_ms'] / result['fa4_fwd_bwd_ms']:.2f}x")
+    print(line, flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layouts", default="4x4096,1x16384")
+    ap.add_argument("--windows", default="none")
+    ap.add_argument("--out", default="bench/results/attention_sweep.json")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/attention_sweep.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+
+    t0 = time.perf_counter()
+    results = []
+    for layout in args.layouts.split(","):
+        for w in args.windows.split(","):
+            results.append(sweep_layout(layout, None if w == "none" else int(w)))
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "date": time.strftime("%Y-%m-%d"), "shape": f"Hq {H_Q}, Hkv {H_KV}, D {HEAD_DIM}, bf16, sinks",
+            "wall_s": round(time.perf_counter() - t0, 1)}
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(f"wrote {args.out} ({meta['wall_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""bench/attention_sweep.py on CPU under the Triton interpreter: every kernel's launch arguments match its
+signature, each candidate's outputs are compared with the default's, and a wrong candidate is never picked."""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU check")
+
+SWEEP = Path(__file__).resolve().parents[2] / "bench" / "attention_sweep.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("attention_sweep", SWEEP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.H_Q, mod.H_KV, mod.HEAD_DIM = 4, 2, 16
+    return mod
+
+
+def _bench(fn, **_kw) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def test_sweep_runs_every_kernel_and_compares_with_the_default():
+    mod = _load()
+    cands = {"fwd": [(16, 16, 4, 1), (16, 32, 4, 1)], "dq": [(16, 16, 4, 1), (16, 32, 4, 1)],
+             "dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)]}
+    r = mod.sweep_layout("2x24", None, device="cpu", dtype=torch.float32, do_bench=_bench, candidates=cands)
+    for kernel in cands:
+        rows = r["kernels"][kernel]["rows"]
+        assert len(rows) == len(cands[kernel]) + (len(cands[kernel]) if kernel != "dkdv" else 0)
+        assert rows[0]["max_rel_diff_vs_default"] == 0.0
+        assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows)  # fp32: tiling only
+    assert r["best_fwd_bwd_kernels_ms"] <= r["default_fwd_bwd_kernels_ms"]
+
+
+def test_a_candidate_with_wrong_outputs_is_never_the_best(monkeypatch):
+    mod = _load()
+    from polyrl.backends.cuda.kernels import backward as B
+
+    real = B.attn_bwd_dkdv_kernel.fn
+
+    class Broken:  # the second candidate's dK comes out doubled (as a config that miscompiles would)
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                real[grid](*args, **kw)
+                if kw["BLOCK_M"] == 32:
+                    args[6].mul_(2)
+            return launch
+
+    class Kernel:  # what the sweep launches (``.fn[grid]``); the trainer's autotuned kernel is left as it is
+        fn = Broken()
+
+    monkeypatch.setattr(B, "attn_bwd_dkdv_kernel", Kernel())
+    cands = {"dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)], "fwd": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1)]}
+    fast = {"n": 0}
+
+    def bench(fn, **_kw):  # the broken candidate looks fastest
+        fast["n"] += 1
+        fn()
+        return 1.0 if fast["n"] == 2 else 5.0
+
+    r = mod.sweep_layout("1x24", None, device="cpu", dtype=torch.float32, do_bench=bench, candidates=cands)
+    rows = r["kernels"]["dkdv"]["rows"]
+    assert not rows[1]["ok"] and rows[1]["max_rel_diff_vs_default"] > 0.5
+    assert r["kernels"]["dkdv"]["best"]["config"] == rows[0]["config"]
