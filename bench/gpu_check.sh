@@ -28,7 +28,10 @@ cd "$(dirname "$0")/.."
 OUT=${GPU_CHECK_OUT:-gpu_check_out}
 STEPS=${GPU_CHECK_STEPS:-"1 2 3 4 5 6 7 8 9 10"}
 SEEDS=${GPU_CHECK_SEEDS:-"0 1 2"}
-WORKERS=${GPU_TEST_WORKERS:-3}  # pytest-xdist processes sharing the GPU: Triton compiles in parallel (8 ran out of memory)
+# pytest-xdist processes sharing the GPU: Triton compiles in parallel. 8 ran out of memory on an H200 (139 GiB) and
+# 3 on an H100 (80 GiB), so the default is 3 from 100,000 MiB of GPU memory up and 2 below.
+GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+WORKERS=${GPU_TEST_WORKERS:-$(( ${GPU_MIB:-0} >= 100000 ? 3 : 2 ))}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
