@@ -129,7 +129,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                 go()
                 sync()
                 ms = do_bench(go, warmup=25, rep=100)
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile (shared memory) is reported
+            except Exception as exc:
                 print(f"  {layout} w={window} {kernel:5s} {label:28s} failed: {type(exc).__name__}: "
                       f"{str(exc).splitlines()[0][:100]}", flush=True)
                 rows.append({"config": label, "ms": None, "error": type(exc).__name__})
@@ -143,7 +143,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
             ok = err <= 2e-2
             rows.append({"config": label, "ms": ms, "max_rel_diff_vs_default": err, "ok": ok})
             print(f"  {layout} w={window} {kernel:5s} {label:28s} {ms:8.3f} ms  x{ms / rows[0]['ms']:.3f} of default"
-                  f"{'' if ok else '  WRONG (diff %.1e)' % err}", flush=True)
+                  f"{'' if ok else f'  WRONG (diff {err:.1e})'}", flush=True)
         good = [r for r in rows if r.get("ms") is not None and r["ok"]]
         best = min(good, key=lambda r: r["ms"])
         result["kernels"][kernel] = {"rows": rows, "default": rows[0], "best": best}
@@ -172,7 +172,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
         fa4_fb()
         fb_ms = do_bench(fa4_fb, warmup=25, rep=100, grad_to_none=[q, k, v, sinks])
         result["fa4_fwd_ms"], result["fa4_fwd_bwd_ms"] = f_ms, fb_ms
-    except Exception as exc:  # noqa: BLE001 - FA4 is optional: say why it is absent
+    except Exception as exc:
         result["fa4"] = f"not run: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
 
     def ours_fb():

@@ -47,7 +47,7 @@ def test_the_check_cadence_is_in_the_run_log_line() -> None:
 
 
 def test_engine_with_a_correction_resolved_on_is_refused() -> None:
-    with pytest.raises(BadInputError, match="old_logprobs=engine.*rollout correction is on for engine vllm"):
+    with pytest.raises(BadInputError, match=r"old_logprobs=engine.*rollout correction is on for engine vllm"):
         resolve_old_logprobs(AlgorithmConfig(old_logprobs="engine"), "vllm", True, True, "off")
 
 

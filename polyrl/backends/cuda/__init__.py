@@ -95,6 +95,10 @@ class CudaBackend(Backend):
             return Availability(False, "no CUDA device visible (check CUDA_VISIBLE_DEVICES and the driver)")
         return Availability(True, "")
 
+    def device_graph(self) -> Callable[..., Callable[[], None]]:
+        """CUDA graphs (contract: polyrl.core.plugins.placement.Placement.device_graph)."""
+        return capture_cuda_graph
+
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy(
             param_dtype="bfloat16",
@@ -107,6 +111,25 @@ class CudaBackend(Backend):
                 "NCCL_NVLS_ENABLE": "0",
             },
         )
+
+
+def capture_cuda_graph(step: Callable[[], None], before_capture: Callable[[], None] | None = None) -> Callable[[], None]:
+    """``step`` warmed up once on a side stream (PyTorch's recipe for capture: lazy cuBLAS / Triton set-up happens
+    outside the graph), ``before_capture()``, then captured into a ``torch.cuda.CUDAGraph`` (its own memory pool);
+    returns the graph's ``replay``."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    if before_capture is not None:
+        before_capture()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 @hookimpl

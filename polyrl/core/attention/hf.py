@@ -22,7 +22,10 @@ How a call is routed (q_len = Sq, k_len = Sk):
 - Sq == Sk with padding whose real tokens are contiguous in each row (left or right padding): the real
   tokens are gathered into documents -> varlen_attention; padded positions return zeros.
 - otherwise (Sq < Sk: generation with a KV cache; or holes in the padding): queries at the end of the keys
-  -> decode_attention with the padding mask. Static caches (keys not ending at the queries) are refused.
+  -> decode_attention with the padding mask. Static caches (keys not ending at the queries) are refused, except
+  inside :func:`static_decode` (the hf engine's static decode step, polyrl.core.rollout.static_decode): there the
+  step's own masks, which already hold the causal limit and the window, replace transformers' mask, and nothing
+  reads a tensor value on the host (the step can be captured in a CUDA graph).
 The mask function's pattern (sliding window, packing) is not read: the window comes from the
 ``sliding_window`` kwarg and packing from ``position_ids``; models needing other patterns (chunked or
 bidirectional attention) are not supported.
@@ -88,6 +91,52 @@ def bound_backend(module: Any) -> Backend | None:
 
 
 # --------------------------------------------------------------------------------------------------
+# the static decode step (polyrl.core.rollout.static_decode)
+
+_STATIC_DECODE: Any = None  # the StaticDecodeMasks of the step running now, or None
+
+
+class StaticDecodeMasks:
+    """What a static decode step hands the attention function: ``full`` bool [B, L], the cache slots each row's
+    query sees (real tokens up to the query's own slot), and ``windowed`` {W: bool [B, L]}, the same cut to the W
+    most recent slots. Built and updated by the step (no host reads); a window not precomputed is derived on the
+    fly from ``slot`` (0-dim long, the query's slot) and ``slots`` (arange(L))."""
+
+    __slots__ = ("full", "slot", "slots", "windowed")
+
+    def __init__(self, full: torch.Tensor, windowed: dict[int, torch.Tensor], slot: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        self.full, self.windowed, self.slot, self.slots = full, windowed, slot, slots
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.full
+        if window not in self.windowed:
+            return self.full & (self.slots > self.slot - window)
+        return self.windowed[window]
+
+
+class static_decode:
+    """``with static_decode(masks):`` the model's ``"polyrl"`` attention calls read their masks from ``masks``
+    (one decode query per row over a static cache) and the mask function returns None without looking at the
+    cache. Not re-entrant; one at a time per process."""
+
+    def __init__(self, masks: StaticDecodeMasks) -> None:
+        self.masks = masks
+
+    def __enter__(self) -> StaticDecodeMasks:
+        global _STATIC_DECODE
+        if _STATIC_DECODE is not None:
+            raise RuntimeError("static_decode is not re-entrant")
+        _STATIC_DECODE = self.masks
+        return self.masks
+
+    def __exit__(self, *exc: Any) -> None:
+        global _STATIC_DECODE
+        _STATIC_DECODE = None
+
+
+# --------------------------------------------------------------------------------------------------
 # the mask function
 
 
@@ -101,9 +150,12 @@ def polyrl_attention_mask(
     attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> torch.Tensor | None:
-    """Key padding mask bool [B, kv_length] for the keys the layer will receive, or None if none is padded."""
+    """Key padding mask bool [B, kv_length] for the keys the layer will receive, or None if none is padded.
+    Inside :func:`static_decode`: None at once (the attention function takes the step's own masks)."""
     import torch
 
+    if _STATIC_DECODE is not None:
+        return None
     q_offset = int(q_offset)
     if q_offset - kv_offset != kv_length - q_length:
         raise NotImplementedError(
@@ -230,6 +282,8 @@ def polyrl_attention_forward(
         return out.view(b, sq, hq, dv), None
 
     # Generation: the bound (or active) backend's decode kernel, as the packed paths above run its varlen one.
+    if _STATIC_DECODE is not None and sq < sk:  # a static cache: the step's mask holds causality and the window
+        attention_mask, window = _STATIC_DECODE.mask_for(window), None
     out = decode_attention(q, k, v, key_padding_mask=attention_mask, scale=scale, window=window, sinks=s_aux,
                            backend=backend)
     return out, None

@@ -111,6 +111,10 @@ class RolloutConfig:
     # the trainer's, at the cost of a copy both ways every step: 27 s at GPT-OSS-20B); 0 = awake (weights and KV
     # cache stay on the device beside the update: where both fit, no cost). The memory plan counts either.
     sleep_level: int | None = None
+    # The hf engine's decode steps (docs/rollout.md, "Static decode and CUDA graphs"): dynamic (transformers'
+    # growing cache) | static (a preallocated cache, fixed shapes, no host reads in the step) | graph (static,
+    # each step one replay of a captured device graph: Backend.device_graph, CUDA graphs on cuda; one process).
+    decode: Literal["dynamic", "static", "graph"] = "dynamic"
 
     def __post_init__(self) -> None:
         if self.routing_replay is False:

@@ -9,6 +9,7 @@ from per-sequence CPU generators (polyrl.core.rollout.sampling), so no device ge
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 from polyrl.core.plugins.part import BackendPart
@@ -50,7 +51,8 @@ class Placement(BackendPart):
     """Generators, device memory, the sharding policy. Reached as ``backend.placement``."""
 
     methods: ClassVar[tuple[str, ...]] = ("sharding_policy", "check_world_size", "generator", "device_rng_state",
-                                          "set_device_rng_state", "memory_metrics", "device_memory_gib")
+                                          "set_device_rng_state", "memory_metrics", "device_memory_gib",
+                                          "device_graph")
 
     def sharding_policy(self) -> ShardingPolicy:
         return ShardingPolicy()
@@ -93,6 +95,17 @@ class Placement(BackendPart):
         peak = module.max_memory_allocated() / 2**30
         module.reset_peak_memory_stats()
         return {"memory/peak_gib": peak}
+
+    def device_graph(self) -> Callable[..., Callable[[], None]] | None:
+        """Graph capture on this backend's device, or None (the default) where it has none.
+
+        Where it has one: ``capture(step, before_capture=None) -> replay``. ``step()`` reads no tensor value on the
+        host and keeps its tensors' storage from call to call. ``capture`` runs ``step()`` once to warm up (lazy
+        allocations, first compiles), then calls ``before_capture()`` so the caller can undo the warm-up's effect on
+        its state. Then it records ``step`` without running it. ``replay()`` runs the recorded work on the device.
+        The hf engine's ``rollout.decode: graph`` uses it (polyrl.core.rollout.static_decode). The cuda backend
+        implements it with CUDA graphs."""
+        return None
 
     def device_memory_gib(self, model: str | None = None, *, local_world_size: int = 1) -> tuple[str, float]:
         """(device model, GiB of memory of one device) from the backend's ``device_memory_table``, without touching

@@ -8,6 +8,10 @@ KV cache rows copied to each of its samples (prefix sharing: the prefill costs t
 Every step feeds one token per row through the model's cache (transformers ``DynamicCache``); rows that stopped
 keep decoding padding (cheaper than re-batching) and are cut off afterwards. The loop ends when every row has
 stopped or ``max_tokens`` is reached.
+
+``decode`` (``rollout.decode``): ``dynamic`` (the default) as above; ``static`` and ``graph`` run the decode
+steps after the prefill over a preallocated cache with fixed shapes, ``graph`` replaying one captured device
+graph per step (the backend's ``device_graph``; polyrl.core.rollout.static_decode).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from polyrl.core.models.lora import merged_for_generation
 from polyrl.core.models.routing import replay_of
 from polyrl.core.rollout.engine import RolloutOutput, SamplingParams
 from polyrl.core.rollout.sampling import RowUniforms, sample_inverse_cdf
+from polyrl.core.rollout.static_decode import MODES as DECODE_MODES
+from polyrl.core.rollout.static_decode import StaticDecoder, slots_for
 
 
 def filter_logits(logits: torch.Tensor, top_p: float, top_k: int) -> torch.Tensor:
@@ -48,12 +54,29 @@ class HFEngine:
     # of one per forward; polyrl.core.models.lora.merged_for_generation), the base weights restored exactly after.
     merge_adapters = True
 
-    def __init__(self, model: Any, *, pad_token_id: int, return_routes: bool = False, **_options: Any) -> None:
-        # _options: what the trainer offers every engine (backend, max_model_len); the hf engine needs none.
+    def __init__(self, model: Any, *, pad_token_id: int, return_routes: bool = False, decode: str = "dynamic",
+                 backend: Any = None, **_options: Any) -> None:
+        # _options: what the trainer offers every engine (max_model_len, ...); the hf engine needs none.
+        # backend: the model's backend; decode="graph" captures with its device graph (Backend.device_graph).
         # return_routes (rollout.routing_replay=r3): record the experts the routers chose, prefill and decode.
+        # decode (rollout.decode): dynamic | static | graph (module docstring).
+        if decode not in DECODE_MODES:
+            raise ValueError(f"decode={decode!r}: expected one of {', '.join(DECODE_MODES)}")
+        if decode != "dynamic" and return_routes:
+            raise ValueError(f"decode={decode!r} records no routes (the routers' hooks would run once, at capture); "
+                             "routing replay r3 needs decode='dynamic'")
         self.model = model
         self.pad_token_id = int(pad_token_id)
         self.return_routes = bool(return_routes)
+        self.decode = decode
+        self.capture = None
+        if decode == "graph":
+            capture = backend.device_graph() if backend is not None and hasattr(backend, "device_graph") else None
+            if capture is None:
+                where = f"backend {backend.name!r}" if backend is not None else "no backend given"
+                raise ValueError(f"decode='graph' needs a backend that captures device graphs ({where} does not)")
+            self.capture = capture
+        self._static: StaticDecoder | None = None  # kept across calls: its buffers (and graph) are reused
 
     def sync_weights(self, model: Any) -> None:
         self.model = model  # shared weights: nothing to copy
@@ -142,15 +165,23 @@ class HFEngine:
         done = torch.zeros(B, dtype=torch.bool, device=device)
         lengths = torch.full((B,), params.max_tokens, dtype=torch.long, device=device)
         step_ids, step_pos = ids, positions
+        static = None
         try:
             for t in range(params.max_tokens):
-                logits = model(
-                    input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
-                    use_cache=True,
-                ).logits[:, -1].float()  # [B, V] ([U, V] at the prefill)
+                if static is not None:  # a decode step over the static cache (S + t - 1 is this token's slot)
+                    logits = static.forward(step_ids)
+                else:
+                    logits = model(
+                        input_ids=step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache,
+                        use_cache=True,
+                    ).logits[:, -1].float()  # [B, V] ([U, V] at the prefill)
                 if t == 0 and expand is not None:  # each sample of a prompt gets that prompt's cache rows
                     logits, mask, step_pos = logits[expand], mask[expand], step_pos[expand]
                     cache.reorder_cache(expand)
+                if t == 0 and self.decode != "dynamic" and params.max_tokens > 1:
+                    static = self._static_decoder(model, B, slots_for(S, params.max_tokens))
+                    static.load_prefill(cache, mask, step_pos)
+                    cache = None  # the static cache holds the prompt now
                 logits = logits / params.temperature
                 logp_all = torch.log_softmax(logits, dim=-1)
                 probs = torch.softmax(filter_logits(logits, params.top_p, params.top_k), dim=-1)
@@ -164,8 +195,9 @@ class HFEngine:
                 if _all_ranks_done(done):
                     break
                 step_ids = nxt[:, None]
-                step_pos = step_pos[:, -1:] + 1
-                mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+                if static is None:
+                    step_pos = step_pos[:, -1:] + 1
+                    mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
         finally:
             model.train(was_training)
 
@@ -178,6 +210,15 @@ class HFEngine:
             logprobs=[lp_l[i][: lengths_l[i]] for i in range(B)],
             finish_reasons=["stop" if done_l[i] else "length" for i in range(B)],
         )
+
+
+    def _static_decoder(self, model: Any, batch: int, slots: int) -> StaticDecoder:
+        """The engine's static decoder for this shape, reused (buffers, captured graph) when the shape and the model
+        are the last call's; otherwise the old one is dropped first (one static cache alive at a time)."""
+        if self._static is None or not self._static.fits(model, batch, slots):
+            self._static = None
+            self._static = StaticDecoder(model, batch, slots, capture=self.capture)
+        return self._static
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:

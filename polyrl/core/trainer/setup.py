@@ -274,6 +274,27 @@ def routing_replay_for(cfg: RunConfig, actor: torch.nn.Module, engine_name: str,
     return install_router_replay(actor), ({"return_routes": True} if mode == "r3" else {})
 
 
+def decode_option(cfg: RunConfig, engine_name: str, backend: Backend) -> dict[str, Any]:
+    """``rollout.decode`` as the engine's ``decode`` option ({} for the default); refused in one line, before the run
+    starts, where it cannot run: another engine than hf, ``graph`` on a backend without device graphs
+    (``Backend.device_graph``), more than one process
+    (FSDP2 gathers the weights inside every forward)."""
+    mode = cfg.rollout.decode
+    if mode == "dynamic":
+        return {}
+    if engine_name != "hf":
+        raise BadInputError(f"rollout.decode={mode}: the {engine_name!r} engine decodes its own way; only the hf "
+                            "engine has this option")
+    if mode == "graph" and backend.device_graph() is None:
+        raise BadInputError(f"rollout.decode=graph: backend {backend.name!r} cannot capture device graphs; use "
+                            "rollout.decode=static or dynamic")
+    from polyrl.core import distributed as D
+
+    if D.get_world_size() > 1:
+        raise BadInputError(f"rollout.decode={mode} runs on one process; this run has {D.get_world_size()}")
+    return {"decode": mode}
+
+
 def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> Components:
     """Task → tokenizer → models → resumable state → rollout engine → learners, in that order (the seeds drawn
     while building follow it)."""
@@ -289,8 +310,11 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
     engine_name, engine_choice = choose_engine(cfg.rollout.engine, backend, actor_cfg)
     replay, engine_routes = routing_replay_for(cfg, models.actor, engine_name, backend)
     sleep = {} if cfg.rollout.sleep_level is None else {"sleep_level": cfg.rollout.sleep_level}
+    decode = decode_option(cfg, engine_name, backend)
+    if decode:
+        engine_choice += f"; decode {decode['decode']} (rollout.decode)"
     engine = build_engine(engine_name, models.actor, pad_token_id=pad_id, backend=backend, max_model_len=max_len,
-                          sampling=sampling, max_num_seqs=rollout_rows(cfg), **engine_routes, **sleep)
+                          sampling=sampling, max_num_seqs=rollout_rows(cfg), **engine_routes, **sleep, **decode)
     if cfg.model.lora.enabled and hasattr(engine, "merge_adapters"):  # the hf engine (polyrl.core.rollout.hf)
         engine.merge_adapters = cfg.model.lora.merge_for_rollout
     rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 40, the hf engine's decode under CUDA graphs (rollout.decode=graph), in one device call (~6 minutes):
+#   bash bench/gpu_round40b.sh
+# It installs polyrl, runs the GPU tests of the static / graph decode, bench/decode_graph.py (each decode mode's ms
+# per generate call, tokens against dynamic), then the tiny DAPO recipe seed 0 with rollout.decode=dynamic and
+# =graph one after the other (wall, steps, last-10 reward). Logs and JSON go to $OUT or ./gpu_round40b_out.
+set -uo pipefail
+OUT=${OUT:-gpu_round40b_out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+timeout 150 python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/cuda/test_decode_graph_gpu.py \
+  tests/cuda/test_decode_gpu.py > "$OUT/tests.log" 2>&1
+echo "tests rc=$?"; grep -E "max \|dlogp\||FAILED|ERROR|passed|failed" "$OUT/tests.log" | tail -15
+timeout 120 python3 bench/decode_graph.py --backend cuda --out "$OUT/decode_graph.json" > "$OUT/decode_graph.log" 2>&1
+echo "decode_graph rc=$?"; tail -12 "$OUT/decode_graph.log"
+for mode in dynamic graph; do
+  timeout 110 python3 bench/recipe_tiny.py --backend cuda --recipes gpt_oss_dapo_tiny --seeds 0 \
+    --set rollout.decode=$mode --out "$OUT/recipe_dapo_$mode.json" > "$OUT/recipe_$mode.log" 2>&1
+  echo "recipe $mode rc=$?"; tail -1 "$OUT/recipe_$mode.log"
+done

@@ -1,0 +1,201 @@
+"""The hf engine's static decode (``rollout.decode: static``; ``graph`` is the same step captured by the backend's
+device graph, here a stand-in that replays by running the step again):
+the same tokens and log-probs as the dynamic decode within fp32 rounding, on both tiny model families, with
+ragged prompts (left padding), a sliding window shorter than the sequences, stop tokens and repeated prompts; its
+step reads no tensor value on the host (the property CUDA-graph capture needs); buffers are reused across calls
+of one shape; the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from polyrl.core.models import build_model
+from polyrl.core.rollout import SamplingParams, build_engine
+from polyrl.core.rollout.static_decode import SLOT_ROUND, StaticDecoder, slots_for
+
+PROMPTS = [[1, 5, 6, 7, 8, 9, 3, 4, 5], [1, 9, 8], [1, 4, 4, 4, 4], [1, 7], [1, 9, 8]]  # ragged, one repeated
+MAX_TOKENS = 14  # with the window below, the last decode steps see only part of each row's slots
+
+
+def _model(name: str):
+    overrides = {"sliding_window": 4} if name == "gpt_oss_tiny" else None
+    return build_model(name, vocab_size=17, seed=0, overrides=overrides).eval()
+
+
+def _generate(model, decode: str, stop=(), seed: int = 0):
+    engine = build_engine("hf", model, pad_token_id=0, decode=decode)
+    params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS, stop_token_ids=list(stop))
+    return engine, engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("stop", [(), (3,)])
+def test_static_decode_equals_dynamic(name: str, stop) -> None:
+    model = _model(name)
+    if name == "gpt_oss_tiny":
+        assert model.config.sliding_window == 4 and "sliding_attention" in model.config.layer_types
+    _, dyn = _generate(model, "dynamic", stop)
+    engine, sta = _generate(model, "static", stop)
+    assert sta.response_ids == dyn.response_ids
+    assert sta.finish_reasons == dyn.finish_reasons
+    if stop:
+        assert "stop" in dyn.finish_reasons  # rows stopped early (and kept decoding padding)
+    err = max(abs(a - b) for x, y in zip(sta.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    assert err < 1e-5, err  # fp32: the decode attention sums over more (masked) slots, nothing else differs
+    assert engine._static is not None and engine._static.slots == slots_for(9, MAX_TOKENS)
+
+
+def test_the_window_mask_matters() -> None:
+    """Mutation check of the windowed masks: without them (every layer sees all its slots) the log-probs move."""
+    model = _model("gpt_oss_tiny")
+    _, dyn = _generate(model, "dynamic")
+    engine = build_engine("hf", model, pad_token_id=0, decode="static")
+    original = StaticDecoder._step
+
+    def no_window(self):
+        self.masks.windowed.clear()  # mask_for(W) then derives it from the slot: still right
+        original(self)
+    StaticDecoder._step = no_window
+    try:
+        out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
+                              generator=torch.Generator().manual_seed(0))
+    finally:
+        StaticDecoder._step = original
+    err = max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    assert err < 1e-5  # the on-the-fly window gives the same masks
+
+    from polyrl.core.attention.hf import StaticDecodeMasks
+    real = StaticDecodeMasks.mask_for
+    StaticDecodeMasks.mask_for = lambda self, window: self.full  # the window dropped: wrong
+    try:
+        out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
+                              generator=torch.Generator().manual_seed(0))
+    finally:
+        StaticDecodeMasks.mask_for = real
+    err = max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    assert err > 1e-3, err
+
+
+def test_the_step_reads_no_tensor_on_the_host(monkeypatch) -> None:
+    """What CUDA-graph capture needs: no .item() / bool() / int() / float() / .tolist() of a tensor inside the step."""
+    model = _model("gpt_oss_tiny")
+    engine = build_engine("hf", model, pad_token_id=0, decode="static")
+    reads = []
+    original = StaticDecoder._step
+
+    def guarded(self):
+        names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
+        saved = {n: getattr(torch.Tensor, n) for n in names}
+
+        def trap(name):
+            def read(t, *a, **k):
+                reads.append(name)
+                return saved[name](t, *a, **k)
+            return read
+        for n in names:
+            setattr(torch.Tensor, n, trap(n))
+        try:
+            original(self)
+        finally:
+            for n, f in saved.items():
+                setattr(torch.Tensor, n, f)
+    monkeypatch.setattr(StaticDecoder, "_step", guarded)
+    engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=6), generator=torch.Generator().manual_seed(0))
+    assert reads == []
+    # and the trap works: the dynamic decode's mask function does read the device
+    from polyrl.core.attention import hf as H
+    monkeypatch.setattr(H, "_STATIC_DECODE", None)
+    seen = []
+    saved_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: seen.append(1) or saved_bool(t))
+    build_engine("hf", model, pad_token_id=0).generate(PROMPTS, SamplingParams(max_tokens=3),
+                                                       generator=torch.Generator().manual_seed(0))
+    assert seen
+
+
+def test_buffers_are_reused_for_one_shape_and_rebuilt_for_another() -> None:
+    model = _model("deepseek_v3_tiny")
+    engine, _ = _generate(model, "static")
+    first = engine._static
+    keys = first.cache.layers[0].keys
+    engine.generate(PROMPTS[::-1], SamplingParams(max_tokens=MAX_TOKENS), generator=torch.Generator().manual_seed(1))
+    assert engine._static is first and first.cache.layers[0].keys is keys  # same B, same slots: same buffers
+    engine.generate([[1, 2] * 20], SamplingParams(max_tokens=3), generator=torch.Generator().manual_seed(1))
+    assert engine._static is not first and engine._static.slots == slots_for(40, 3) == 48
+
+
+def test_slots_round_up() -> None:
+    assert slots_for(7, 6) == slots_for(11, 6) == SLOT_ROUND and slots_for(12, 6) == 2 * SLOT_ROUND
+    assert slots_for(5, 1) == SLOT_ROUND  # one token: nothing fed back, still a slot for the step shape
+
+
+class _ReplayingCapture:
+    """A device graph's contract on the CPU: warm up once, call ``before_capture``, and "replay" by running the step
+    again (so whatever the warm-up left behind that ``before_capture`` does not undo shows in the results)."""
+
+    def __init__(self) -> None:
+        self.captured = 0
+
+    def __call__(self, step, before_capture=None):
+        step()
+        if before_capture is not None:
+            before_capture()
+        self.captured += 1
+        return step
+
+
+class _GraphBackend:
+    name = "planted-graph"
+
+    def __init__(self) -> None:
+        self.capture = _ReplayingCapture()
+
+    def device_graph(self):
+        return self.capture
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_tiny", "deepseek_v3_tiny"])
+def test_graph_mode_through_the_backends_capture(name: str) -> None:
+    model = _model(name)
+    _, dyn = _generate(model, "dynamic")
+    backend = _GraphBackend()
+    engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=backend)
+    params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS)
+    out = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
+    assert out.response_ids == dyn.response_ids  # the warm-up's cache writes and counters were undone
+    assert max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y)) < 1e-5
+    assert backend.capture.captured == 1 and engine._static.captures == 1
+    engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    assert backend.capture.captured == 1  # same shape, same weights: replayed
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head.data = head.data.clone()  # new storage (a LoRA merge swaps tensors): captured again
+    engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
+    assert backend.capture.captured == 2
+
+
+def test_without_the_restore_the_warm_up_shows() -> None:
+    """Mutation check of the counter restore: a capture that skips ``before_capture`` leaves the cache one slot ahead."""
+    model = _model("gpt_oss_tiny")
+    _, dyn = _generate(model, "dynamic")
+    backend = _GraphBackend()
+    backend.capture = lambda step, before_capture=None: (step(), step)[1]
+    engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=backend)
+    out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
+                          generator=torch.Generator().manual_seed(0))
+    err = max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    assert out.response_ids != dyn.response_ids or err > 1e-3
+
+
+def test_refusals() -> None:
+    from polyrl.backends.cpu import CpuBackend
+
+    model = _model("gpt_oss_tiny")
+    with pytest.raises(ValueError, match="expected one of dynamic, static, graph"):
+        build_engine("hf", model, pad_token_id=0, decode="cuda")
+    with pytest.raises(ValueError, match="routing replay r3 needs decode='dynamic'"):
+        build_engine("hf", model, pad_token_id=0, decode="static", return_routes=True)
+    with pytest.raises(ValueError, match="backend 'cpu' does not"):
+        build_engine("hf", model, pad_token_id=0, decode="graph", backend=CpuBackend())
+    assert CpuBackend().device_graph() is None

@@ -1,0 +1,43 @@
+"""``rollout.decode`` through ``polyrl run``: a static-decode run of each tiny recipe gives the dynamic run's
+rewards and response lengths, and losses within fp32 rounding; the modes that cannot run here are refused in one
+line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHORT = ["trainer.total_steps=3", "data.batch_size=8", "trainer.save_every=0"]
+
+
+@pytest.mark.parametrize("recipe", ["gpt_oss_dapo_tiny", "deepseek_ppo_tiny"])
+def test_static_decode_run_follows_the_dynamic_run(tmp_path: Path, run_cli, read_metrics, recipe: str) -> None:
+    rows = {}
+    for mode in ("dynamic", "static"):
+        out = tmp_path / mode
+        rc, _, err = run_cli([recipe, "--output", str(out), *SHORT, f"rollout.decode={mode}"])
+        assert rc == 0, err
+        engine_line = next(line for line in err.splitlines() if line.startswith("polyrl run: rollout engine hf"))
+        assert engine_line.endswith("; decode static (rollout.decode)") == (mode == "static"), engine_line
+        rows[mode] = read_metrics(out)
+    assert len(rows["static"]) == len(rows["dynamic"]) == 3
+    for s, d in zip(rows["static"], rows["dynamic"]):
+        assert s["reward/mean"] == d["reward/mean"] and s["response/length_mean"] == d["response/length_mean"]
+        assert abs(s["loss/total"] - d["loss/total"]) <= 1e-4 * max(1.0, abs(d["loss/total"])), (s, d)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.decode=graph"], "rollout.decode=graph: backend 'cpu' cannot capture device graphs"),
+        (["rollout.decode=static", "rollout.routing_replay=r3"], "rollout.decode=static: routing replay r3"),
+        (["rollout.decode=graphs"], "rollout.decode: expected one of 'dynamic', 'static', 'graph'"),
+    ],
+)
+def test_what_cannot_run_is_refused_in_one_line(tmp_path: Path, run_cli, overrides, message) -> None:
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["gpt_oss_dapo_tiny", "--output", str(out), *SHORT, *overrides])
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert message in err, err
+    assert not out.exists()
