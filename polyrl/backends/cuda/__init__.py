@@ -116,8 +116,8 @@ class CudaBackend(Backend):
 def capture_cuda_graph(step: Callable[[], None], before_capture: Callable[[], None] | None = None) -> Callable[[], None]:
     """``step`` warmed up once on a side stream (PyTorch's recipe for capture: lazy cuBLAS / Triton set-up happens
     outside the graph), ``before_capture()``, then captured into a ``torch.cuda.CUDAGraph`` (its own memory pool);
-    returns the graph's ``replay``. Capture errors are thread-local: the trainer's other threads (a checkpoint
-    writer copying tensors to the host) may use the device meanwhile without breaking the capture."""
+    returns the graph's ``replay``. Capture errors are thread-local: device work from another thread of the
+    process during the capture does not break it."""
     import torch
 
     side = torch.cuda.Stream()
