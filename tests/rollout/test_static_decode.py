@@ -125,6 +125,20 @@ def test_buffers_are_reused_for_one_shape_and_rebuilt_for_another() -> None:
     assert engine._static is not first and engine._static.slots == slots_for(40, 3) == 48
 
 
+def test_micro_batched_chunks_keep_their_own_decoders() -> None:
+    """A rollout in chunks of 2 rows (5 prompts: 2, 2, 1) keeps one decoder per chunk shape, no rebuild per chunk."""
+    model = _model("gpt_oss_tiny")
+    _, dyn = _generate(model, "dynamic")
+    engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=_GraphBackend())
+    params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS, micro_batch_size=2)
+    out = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
+    assert out.response_ids == dyn.response_ids  # rows sample from their own streams: chunking changes nothing
+    assert sorted(d.batch for d in engine._statics) == [1, 2]
+    before = [d.captures for d in engine._statics]
+    engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(1))
+    assert [d.captures for d in engine._statics] == before  # both shapes replayed, none captured again
+
+
 def test_slots_round_up() -> None:
     assert slots_for(7, 6) == slots_for(11, 6) == SLOT_ROUND and slots_for(12, 6) == 2 * SLOT_ROUND
     assert slots_for(5, 1) == SLOT_ROUND  # one token: nothing fed back, still a slot for the step shape

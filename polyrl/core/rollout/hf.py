@@ -76,7 +76,9 @@ class HFEngine:
                 where = f"backend {backend.name!r}" if backend is not None else "no backend given"
                 raise ValueError(f"decode='graph' needs a backend that captures device graphs ({where} does not)")
             self.capture = capture
-        self._static: StaticDecoder | None = None  # kept across calls: its buffers (and graph) are reused
+        # kept across calls, newest last: their buffers (and graphs) are reused; two shapes at most (a micro-batched
+        # rollout has its full chunks and its last one)
+        self._statics: list[StaticDecoder] = []
 
     def sync_weights(self, model: Any) -> None:
         self.model = model  # shared weights: nothing to copy
@@ -212,13 +214,22 @@ class HFEngine:
         )
 
 
+    @property
+    def _static(self) -> StaticDecoder | None:
+        """The static decoder used last (None before the first static decode)."""
+        return self._statics[-1] if self._statics else None
+
     def _static_decoder(self, model: Any, batch: int, slots: int) -> StaticDecoder:
-        """The engine's static decoder for this shape, reused (buffers, captured graph) when the shape and the model
-        are the last call's; otherwise the old one is dropped first (one static cache alive at a time)."""
-        if self._static is None or not self._static.fits(model, batch, slots):
-            self._static = None
-            self._static = StaticDecoder(model, batch, slots, capture=self.capture)
-        return self._static
+        """The engine's static decoder for this shape and model, reused (buffers, captured graph) when one of the
+        last two shapes; otherwise the oldest is dropped first (two static caches alive at most)."""
+        for i, dec in enumerate(self._statics):
+            if dec.fits(model, batch, slots):
+                self._statics.append(self._statics.pop(i))
+                return dec
+        if len(self._statics) >= 2:
+            self._statics.pop(0)
+        self._statics.append(StaticDecoder(model, batch, slots, capture=self.capture))
+        return self._statics[-1]
 
 
 def _distinct(prompts: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
