@@ -202,6 +202,29 @@ def test_without_the_restore_the_warm_up_shows() -> None:
     assert out.response_ids != dyn.response_ids or err > 1e-3
 
 
+def test_a_failed_capture_warns_once_and_decodes_without_a_graph() -> None:
+    model = _model("gpt_oss_tiny")
+    _, dyn = _generate(model, "dynamic")
+    backend = _GraphBackend()
+    calls = []
+
+    def failing(step, before_capture=None):
+        calls.append(1)
+        step()
+        before_capture()
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+    backend.capture = failing
+    engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=backend)
+    with pytest.warns(RuntimeWarning, match="capturing the decode step failed .RuntimeError: CUDA error: operation not "
+                                            "permitted when stream is capturing.; this engine decodes without a graph"):
+        out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
+                              generator=torch.Generator().manual_seed(0))
+    assert out.response_ids == dyn.response_ids and len(calls) == 1
+    assert engine._static.captures == 0 and engine._static.capture is None
+    engine.generate([[1, 2] * 20], SamplingParams(max_tokens=3), generator=torch.Generator().manual_seed(1))
+    assert len(calls) == 1 and engine.capture is None  # another shape: no second attempt, no second warning
+
+
 def test_refusals() -> None:
     from polyrl.backends.cpu import CpuBackend
 

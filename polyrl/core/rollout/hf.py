@@ -226,6 +226,8 @@ class HFEngine:
             if dec.fits(model, batch, slots):
                 self._statics.append(self._statics.pop(i))
                 return dec
+        if any(dec.capture_error for dec in self._statics):
+            self.capture = None  # a capture failed on this engine (warned once): no new decoder tries again
         if len(self._statics) >= 2:
             self._statics.pop(0)
         self._statics.append(StaticDecoder(model, batch, slots, capture=self.capture))

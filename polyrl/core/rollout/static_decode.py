@@ -32,6 +32,7 @@ inside the forward), engines other than hf.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class StaticDecoder:
         self.replay: Any = None
         self.graph_weights: tuple | None = None
         self.captures = 0  # graphs captured over this decoder's life (the tests count them)
+        self.capture_error: str | None = None  # why the capture failed (then the step runs uncaptured)
 
     def fits(self, model: torch.nn.Module, batch: int, slots: int) -> bool:
         return model is self.model and batch == self.batch and slots == self.slots
@@ -134,16 +136,26 @@ class StaticDecoder:
         def restore() -> None:
             for layer, n in zip(self.cache.layers, lengths):
                 layer.cumulative_length.copy_(n)
-        self.replay = self.capture(self._step, restore)
+        try:
+            self.replay = self.capture(self._step, restore)
+        except Exception as exc:
+            restore()  # a capture records and runs nothing; the warm-up's writes are undone either way
+            why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+            self.capture_error = f"{type(exc).__name__}: {why}"
+            warnings.warn(f"rollout.decode=graph: capturing the decode step failed ({self.capture_error}); this "
+                          "engine decodes without a graph from now on (as rollout.decode=static)", RuntimeWarning,
+                          stacklevel=3)
+            self.capture = None
+            return
         self.graph_weights = _weights_key(self.model)
         self.captures += 1
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step feeding ``ids`` [B] or [B, 1] at the current slot; returns the logits buffer [B, V]."""
         self.ids.copy_(ids.view(self.batch, 1))
+        if self.capture is not None and (self.replay is None or self.graph_weights != _weights_key(self.model)):
+            self._capture()
         if self.capture is not None:
-            if self.replay is None or self.graph_weights != _weights_key(self.model):
-                self._capture()
             self.replay()
         else:
             self._step()
