@@ -688,6 +688,49 @@ def attention_checks(backend: Backend, dtype: str, cases: tuple[AttentionCase, .
     return checks, results
 
 
+def device_graph_check(backend: Backend) -> Check:
+    """``backend.device_graph()`` (docs/plugins.md): None passes (the hf engine's ``rollout.decode: graph`` is then
+    refused on this backend). A capture function must run the step once to warm up, call ``before_capture``, record
+    without running, and return a ``replay`` that runs the recorded work each time it is called."""
+    import torch
+
+    name = "device_graph"
+    capture = backend.device_graph()
+    if capture is None:
+        return Check(name, PASS, "none (rollout.decode=graph is refused on this backend)")
+    device = backend.device(0)
+    x = torch.zeros((), device=device)
+    y = torch.zeros((), device=device)
+    seen: list[float] = []
+
+    def step() -> None:
+        x.add_(1)
+        y.copy_(x * 2)
+
+    def before_capture() -> None:
+        seen.append(float(x))  # the warm-up ran: 1
+        x.zero_()
+        y.zero_()
+
+    try:
+        replay = capture(step, before_capture)
+        after_capture = float(x)  # recording runs nothing: still 0
+        replay()
+        first = (float(x), float(y))
+        replay()
+        second = (float(x), float(y))
+    except Exception as exc:
+        return Check(name, FAIL, f"capture or replay raised {one_line(exc)}")
+    problems = []
+    if seen != [1.0]:
+        problems.append(f"before_capture saw {seen} (expected one call after one warm-up run: [1.0])")
+    if after_capture != 0.0:
+        problems.append(f"the capture ran the step (x = {after_capture} after before_capture reset it to 0)")
+    if (first, second) != ((1.0, 2.0), (2.0, 4.0)):
+        problems.append(f"replays gave (x, y) = {first}, {second}; expected (1, 2), (2, 4)")
+    return Check(name, FAIL if problems else PASS, "; ".join(problems) or "warm-up, before_capture, record, replay x2")
+
+
 def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_unavailable: bool = False,
                     cases: tuple[AttentionCase, ...] = ATTENTION_CASES) -> ConformanceReport:
     """Run every check on ``backend`` (a registered name or an instance), its kernels in ``dtype``."""
@@ -706,6 +749,7 @@ def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_una
         checks.append(logprobs_check(backend, dtype))
         checks.append(linear_logprobs_check(backend, dtype))
         checks += decode_checks(backend, dtype)
+        checks.append(device_graph_check(backend))
     else:
         checks.append(Check("kernels vs oracle", NOT_RUN, f"backend not available: {avail.reason}"))
     return ConformanceReport(backend.name, checks, allow_unavailable, dtype, results)

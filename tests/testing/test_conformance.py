@@ -482,3 +482,42 @@ def test_a_query_on_padding_that_is_not_zero_is_named():
     check = decode_check(LeaksPadding(), DECODE_CASES[1], "float32")  # row 1's first query sits on padding
     assert check.status == FAIL and "row 1 query 0 (cache slot 10)" in check.detail
     assert "a query that sees no key must return zeros" in check.detail
+
+
+# --- device_graph --------------------------------------------------------------------------------------------
+class _GraphStandIn(CpuBackend):
+    """A cpu backend declaring a device graph: ``mode`` picks a correct stand-in (replay = run the step again) or
+    one of the mistakes the check must name."""
+
+    name = "graph-stand-in"
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def device_graph(self):
+        mode = self.mode
+
+        def capture(step, before_capture=None):
+            if mode != "no-warm-up":
+                step()
+            if before_capture is not None and mode != "no-before":
+                before_capture()
+            if mode == "runs-at-capture":
+                step()
+            if mode == "replay-does-nothing":
+                return lambda: None
+            return step
+        return capture
+
+
+def test_device_graph_check() -> None:
+    from polyrl.testing.conformance import device_graph_check
+
+    assert device_graph_check(CpuBackend()).status == "pass"  # none declared
+    assert device_graph_check(_GraphStandIn("ok")).status == "pass"
+    for mode, symptom in (("no-warm-up", "before_capture saw [0.0]"), ("no-before", "before_capture saw []"),
+                          ("runs-at-capture", "the capture ran the step"),
+                          ("replay-does-nothing", "replays gave (x, y) = (0.0, 0.0)")):
+        check = device_graph_check(_GraphStandIn(mode))
+        assert check.status == "fail" and symptom in check.detail, (mode, check.detail)
