@@ -90,6 +90,7 @@ class StaticDecoder:
         self.graph_weights: tuple | None = None
         self.captures = 0  # graphs captured over this decoder's life (the tests count them)
         self.capture_error: str | None = None  # why the capture failed (then the step runs uncaptured)
+        self.weights_checked = False
 
     def fits(self, model: torch.nn.Module, batch: int, slots: int) -> bool:
         return model is self.model and batch == self.batch and slots == self.slots
@@ -113,6 +114,7 @@ class StaticDecoder:
         self.real[:, S:] = True
         self.slot.fill_(S)
         self.pos.copy_(positions[:, -1:] + 1)  # the first fed token follows the prompt's last position
+        self.weights_checked = False  # weights change between generate calls only: checked at the first step
 
     def _step(self) -> None:
         """The captured part: masks from the slot, one forward over the static cache, the last position's logits."""
@@ -153,8 +155,10 @@ class StaticDecoder:
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """One decode step feeding ``ids`` [B] or [B, 1] at the current slot; returns the logits buffer [B, V]."""
         self.ids.copy_(ids.view(self.batch, 1))
-        if self.capture is not None and (self.replay is None or self.graph_weights != _weights_key(self.model)):
-            self._capture()
+        if self.capture is not None and not self.weights_checked:
+            if self.replay is None or self.graph_weights != _weights_key(self.model):
+                self._capture()
+            self.weights_checked = True
         if self.capture is not None:
             self.replay()
         else:
