@@ -55,6 +55,20 @@ def _sliding_windows(config: Any) -> tuple[int, ...]:
     return (int(window),) if window and any("sliding" in str(t) for t in types) else ()
 
 
+def _raised_at(exc: BaseException) -> str:
+    """`` at file:line (function)`` of the innermost frame outside torch and this module: the model's or polyrl's
+    line whose op could not be captured."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if "/torch/" not in f.filename and f.filename != __file__]
+    if not frames:
+        return ""
+    f = frames[-1]
+    parts = f.filename.replace("\\", "/").split("/")
+    return f" at {'/'.join(parts[-2:])}:{f.lineno} ({f.name})"
+
+
 def _weights_key(model: torch.nn.Module) -> tuple:
     """What a captured graph depends on besides its own buffers: the weights' storage. The optimizer updates them in
     place (same storage); a LoRA merge swaps in merged copies (new storage: a new capture)."""
@@ -143,7 +157,7 @@ class StaticDecoder:
         except Exception as exc:
             restore()  # a capture records and runs nothing; the warm-up's writes are undone either way
             why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-            self.capture_error = f"{type(exc).__name__}: {why}"
+            self.capture_error = f"{type(exc).__name__}: {why}{_raised_at(exc)}"
             warnings.warn(f"rollout.decode=graph: capturing the decode step failed ({self.capture_error}); this "
                           "engine decodes without a graph from now on (as rollout.decode=static)", RuntimeWarning,
                           stacklevel=3)
