@@ -237,3 +237,35 @@ def test_refusals() -> None:
     with pytest.raises(ValueError, match="backend 'cpu' does not"):
         build_engine("hf", model, pad_token_id=0, decode="graph", backend=CpuBackend())
     assert CpuBackend().device_graph() is None
+
+
+@pytest.mark.parametrize("name", ["gpt_oss_tiny", "deepseek_v3_tiny"])
+def test_fp32_experts_take_the_capturable_path_inside_the_static_step(name: str, monkeypatch) -> None:
+    """transformers' batched_mm experts (no host reads) inside the static step in float32, its grouped_mm path
+    everywhere else (the prefill, the dynamic decode, training); over the byte budget, grouped_mm again."""
+    import transformers.integrations.moe as moe
+
+    from polyrl.core.models import experts as E
+
+    calls = {"batched": 0, "grouped": 0}
+    real_b, real_g = moe.batched_mm_experts_forward, moe.grouped_mm_experts_forward
+
+    def batched(*a, **k):
+        calls["batched"] += 1
+        return real_b(*a, **k)
+
+    def grouped(*a, **k):
+        calls["grouped"] += 1
+        return real_g(*a, **k)
+    monkeypatch.setattr(moe, "batched_mm_experts_forward", batched)
+    monkeypatch.setattr(moe, "grouped_mm_experts_forward", grouped)
+    model = _model(name)
+    _generate(model, "dynamic")
+    assert calls["batched"] == 0 and calls["grouped"] > 0
+    calls.update(batched=0, grouped=0)
+    _generate(model, "static")
+    assert calls["batched"] > 0 and calls["grouped"] > 0  # decode steps batched, the prefill grouped
+    monkeypatch.setattr(E, "STATIC_BATCHED_MAX_BYTES", 0)
+    calls.update(batched=0, grouped=0)
+    _generate(model, "static")
+    assert calls["batched"] == 0
