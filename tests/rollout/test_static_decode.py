@@ -23,6 +23,11 @@ def _model(name: str):
     return build_model(name, vocab_size=17, seed=0, overrides=overrides).eval()
 
 
+def _max_dlogp(a, b) -> float:
+    """The largest log-prob difference between two rollouts of the same tokens."""
+    return max(abs(p - q) for x, y in zip(a.logprobs, b.logprobs) for p, q in zip(x, y))
+
+
 def _generate(model, decode: str, stop=(), seed: int = 0):
     engine = build_engine("hf", model, pad_token_id=0, decode=decode)
     params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS, stop_token_ids=list(stop))
@@ -41,39 +46,31 @@ def test_static_decode_equals_dynamic(name: str, stop) -> None:
     assert sta.finish_reasons == dyn.finish_reasons
     if stop:
         assert "stop" in dyn.finish_reasons  # rows stopped early (and kept decoding padding)
-    err = max(abs(a - b) for x, y in zip(sta.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    err = _max_dlogp(sta, dyn)
     assert err < 1e-5, err  # fp32: the decode attention sums over more (masked) slots, nothing else differs
     assert engine._static is not None and engine._static.slots == slots_for(9, MAX_TOKENS)
 
 
-def test_the_window_mask_matters() -> None:
+def test_the_window_mask_matters(monkeypatch) -> None:
     """Mutation check of the windowed masks: without them (every layer sees all its slots) the log-probs move."""
+    from polyrl.core.attention.hf import StaticDecodeMasks
+
     model = _model("gpt_oss_tiny")
     _, dyn = _generate(model, "dynamic")
-    engine = build_engine("hf", model, pad_token_id=0, decode="static")
     original = StaticDecoder._step
 
     def no_window(self):
         self.masks.windowed.clear()  # mask_for(W) then derives it from the slot: still right
         original(self)
-    StaticDecoder._step = no_window
-    try:
-        out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
-                              generator=torch.Generator().manual_seed(0))
-    finally:
-        StaticDecoder._step = original
-    err = max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    with monkeypatch.context() as m:
+        m.setattr(StaticDecoder, "_step", no_window)
+        _, out = _generate(model, "static")
+    err = _max_dlogp(out, dyn)
     assert err < 1e-5  # the on-the-fly window gives the same masks
 
-    from polyrl.core.attention.hf import StaticDecodeMasks
-    real = StaticDecodeMasks.mask_for
-    StaticDecodeMasks.mask_for = lambda self, window: self.full  # the window dropped: wrong
-    try:
-        out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
-                              generator=torch.Generator().manual_seed(0))
-    finally:
-        StaticDecodeMasks.mask_for = real
-    err = max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    monkeypatch.setattr(StaticDecodeMasks, "mask_for", lambda self, window: self.full)  # the window dropped: wrong
+    _, out = _generate(model, "static")
+    err = _max_dlogp(out, dyn)
     assert err > 1e-3, err
 
 
@@ -178,7 +175,7 @@ def test_graph_mode_through_the_backends_capture(name: str) -> None:
     params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS)
     out = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
     assert out.response_ids == dyn.response_ids  # the warm-up's cache writes and counters were undone
-    assert max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y)) < 1e-5
+    assert _max_dlogp(out, dyn) < 1e-5
     assert backend.capture.captured == 1 and engine._static.captures == 1
     engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(3))
     assert backend.capture.captured == 1  # same shape, same weights: replayed
@@ -198,7 +195,7 @@ def test_without_the_restore_the_warm_up_shows() -> None:
     engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=backend)
     out = engine.generate(PROMPTS, SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS),
                           generator=torch.Generator().manual_seed(0))
-    err = max(abs(a - b) for x, y in zip(out.logprobs, dyn.logprobs) for a, b in zip(x, y))
+    err = _max_dlogp(out, dyn)
     assert out.response_ids != dyn.response_ids or err > 1e-3
 
 

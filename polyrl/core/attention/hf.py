@@ -116,6 +116,11 @@ class StaticDecodeMasks:
         return self.windowed[window]
 
 
+def static_decode_masks() -> StaticDecodeMasks | None:
+    """The masks of the static decode step running now (:func:`static_decode`), or None outside one."""
+    return _STATIC_DECODE
+
+
 class static_decode:
     """``with static_decode(masks):`` the model's ``"polyrl"`` attention calls read their masks from ``masks``
     (one decode query per row over a static cache) and the mask function returns None without looking at the

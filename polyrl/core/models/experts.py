@@ -65,9 +65,9 @@ def _static_step_batched(module: nn.Module, hidden_states: torch.Tensor, top_k_i
     float32, and while the per-(token, expert) weight copies it gathers stay under STATIC_BATCHED_MAX_BYTES."""
     import torch
 
-    from polyrl.core.attention import hf as attention_hf
+    from polyrl.core.attention.hf import static_decode_masks
 
-    if attention_hf._STATIC_DECODE is None or hidden_states.dtype != torch.float32:
+    if static_decode_masks() is None or hidden_states.dtype != torch.float32:
         return False
     first = module.gate_up_proj if getattr(module, "has_gate", False) else module.up_proj
     per_pair = (first[0].numel() + module.down_proj[0].numel()) * first.element_size()
