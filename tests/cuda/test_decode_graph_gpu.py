@@ -3,11 +3,10 @@ within rounding, on both tiny model families (fp32 and bf16), with ragged prompt
 the sequences and stop tokens; one capture reused across calls of one shape; a new capture after the weights'
 storage changes (a LoRA merge swaps tensors), with results that follow the new weights. Skipped without CUDA.
 
-Run on one H100 (2026-12-05, 42b8909): the bf16 cases captured and matched dynamic. The fp32 cases could not be
-captured: transformers' experts have no fp32 grouped matmul on CUDA, and their fallback reads the expert offsets on
-the host. The engine warned once and decoded as static, with the same tokens. Since then the static step runs fp32
-experts through transformers' batched_mm path (polyrl.core.models.experts), which is meant to be capturable. That
-has not run on a GPU yet."""
+Run on one H100 (2026-12-05, 42b8909): the bf16 cases captured and matched dynamic; the fp32 cases could not be
+captured (transformers' fp32 experts read the expert offsets on the host), the engine warned once and decoded as
+static, with the same tokens. Since then a step to be captured runs fp32 experts through transformers' batched_mm
+path (polyrl.core.models.experts); on one H100 (2026-12-06, c178864) every case here passed, fp32 captured."""
 
 from __future__ import annotations
 

@@ -223,6 +223,29 @@ def test_a_failed_capture_warns_once_and_decodes_without_a_graph() -> None:
     assert len(calls) == 1 and engine.capture is None  # another shape: no second attempt, no second warning
 
 
+def test_auto_falls_back_to_dynamic_after_a_failed_capture() -> None:
+    """rollout.decode=auto's engine (graph, graph_fallback=dynamic): one warning naming the fallback, the call
+    finishes on the static step with dynamic's tokens, later calls decode dynamically with no static buffers kept."""
+    model = _model("gpt_oss_tiny")
+    _, dyn = _generate(model, "dynamic")
+    backend = _GraphBackend()
+
+    def failing(step, before_capture=None):
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture")
+    backend.capture = failing
+    engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=backend, graph_fallback="dynamic")
+    params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS)
+    with pytest.warns(RuntimeWarning, match=r"decodes without a graph from now on \(as rollout.decode=dynamic\)"):
+        out = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
+    assert out.response_ids == dyn.response_ids
+    assert engine.decode == "dynamic" and engine._statics == [] and engine.capture is None
+    again = engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
+    assert again.response_ids == dyn.response_ids and again.logprobs == dyn.logprobs  # the dynamic decode itself
+    assert engine._statics == []
+    with pytest.raises(ValueError, match="graph_fallback='eager': expected static or dynamic"):
+        build_engine("hf", model, pad_token_id=0, decode="graph", backend=_GraphBackend(), graph_fallback="eager")
+
+
 def test_refusals() -> None:
     from polyrl.backends.cpu import CpuBackend
 
@@ -237,9 +260,10 @@ def test_refusals() -> None:
 
 
 @pytest.mark.parametrize("name", ["gpt_oss_tiny", "deepseek_v3_tiny"])
-def test_fp32_experts_take_the_capturable_path_inside_the_static_step(name: str, monkeypatch) -> None:
-    """transformers' batched_mm experts (no host reads) inside the static step in float32, its grouped_mm path
-    everywhere else (the prefill, the dynamic decode, training); over the byte budget, grouped_mm again."""
+def test_fp32_experts_take_the_capturable_path_inside_a_captured_static_step(name: str, monkeypatch) -> None:
+    """transformers' batched_mm experts (no host reads) inside the static step in float32 when the step is to be
+    captured (graph), its grouped_mm path everywhere else (the prefill, the dynamic decode, an uncaptured static
+    step, training); over the byte budget, grouped_mm again."""
     import transformers.integrations.moe as moe
 
     from polyrl.core.models import experts as E
@@ -257,12 +281,22 @@ def test_fp32_experts_take_the_capturable_path_inside_the_static_step(name: str,
     monkeypatch.setattr(moe, "batched_mm_experts_forward", batched)
     monkeypatch.setattr(moe, "grouped_mm_experts_forward", grouped)
     model = _model(name)
-    _generate(model, "dynamic")
+    params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS)
+
+    def graph_generate():
+        engine = build_engine("hf", model, pad_token_id=0, decode="graph", backend=_GraphBackend())
+        return engine.generate(PROMPTS, params, generator=torch.Generator().manual_seed(0))
+    _, dyn = _generate(model, "dynamic")
     assert calls["batched"] == 0 and calls["grouped"] > 0
-    calls.update(batched=0, grouped=0)
-    _generate(model, "static")
-    assert calls["batched"] > 0 and calls["grouped"] > 0  # decode steps batched, the prefill grouped
+    for mode in ("static", "graph"):
+        calls.update(batched=0, grouped=0)
+        out = _generate(model, mode)[1] if mode == "static" else graph_generate()
+        assert out.response_ids == dyn.response_ids and _max_dlogp(out, dyn) < 1e-5
+        if mode == "static":
+            assert calls["batched"] == 0 and calls["grouped"] > 0  # nothing captured: the cheaper path
+        else:
+            assert calls["batched"] > 0 and calls["grouped"] > 0  # decode steps batched, the prefill grouped
     monkeypatch.setattr(E, "STATIC_BATCHED_MAX_BYTES", 0)
     calls.update(batched=0, grouped=0)
-    _generate(model, "static")
+    graph_generate()
     assert calls["batched"] == 0

@@ -100,13 +100,16 @@ class StaticDecodeMasks:
     """What a static decode step hands the attention function: ``full`` bool [B, L], the cache slots each row's
     query sees (real tokens up to the query's own slot), and ``windowed`` {W: bool [B, L]}, the same cut to the W
     most recent slots. Built and updated by the step (no host reads); a window not precomputed is derived on the
-    fly from ``slot`` (0-dim long, the query's slot) and ``slots`` (arange(L))."""
+    fly from ``slot`` (0-dim long, the query's slot) and ``slots`` (arange(L)). ``capturable``: the step is run to
+    be captured in a device graph (``rollout.decode: graph``), so the model's layers must take paths without host
+    reads or data-dependent shapes even where those cost more (polyrl.core.models.experts)."""
 
-    __slots__ = ("full", "slot", "slots", "windowed")
+    __slots__ = ("capturable", "full", "slot", "slots", "windowed")
 
     def __init__(self, full: torch.Tensor, windowed: dict[int, torch.Tensor], slot: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+                 slots: torch.Tensor, capturable: bool = False) -> None:
         self.full, self.windowed, self.slot, self.slots = full, windowed, slot, slots
+        self.capturable = capturable
 
     def mask_for(self, window: int | None) -> torch.Tensor:
         if window is None:

@@ -28,7 +28,7 @@ def check_config(cfg: RunConfig) -> None:
     if ro.sleep_level is not None and (isinstance(ro.sleep_level, bool) or ro.sleep_level not in (0, 1)):
         raise BadInputError(f"rollout.sleep_level: expected null, 0 (awake) or 1 (asleep while training), got "
                             f"{ro.sleep_level!r} (vLLM's level 2 discards buffers a sync does not write)")
-    if ro.decode != "dynamic" and ro.routing_replay == "r3":
+    if ro.decode in ("static", "graph") and ro.routing_replay == "r3":
         raise BadInputError(f"rollout.decode={ro.decode}: routing replay r3 records the routers' choices in every "
                             "decode step, which a static step (captured once) cannot; use rollout.decode=dynamic")
     if ro.temperature <= 0 or not 0 < ro.top_p <= 1:

@@ -54,20 +54,24 @@ def polyrl_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k
         _running.reset(token)
 
 
-# Inside a static decode step (polyrl.core.rollout.static_decode), float32 experts run transformers' batched_mm
-# path when its gathered weights stay under this many bytes: torch has no float32 grouped matmul on CUDA, and the
-# fallback reads the expert offsets on the host, which a captured graph cannot do (measured on an H100).
+# Inside a static decode step that is to be captured (rollout.decode: graph; polyrl.core.rollout.static_decode),
+# float32 experts run transformers' batched_mm path when its gathered weights stay under this many bytes: torch has
+# no float32 grouped matmul on CUDA, and the fallback reads the expert offsets on the host, which a captured graph
+# cannot do (measured on an H100). An uncaptured static step keeps the grouped path: on 2 CPU cores batched_mm made
+# the tiny recipe's generate call 2.2x slower (bench/decode_graph.py).
 STATIC_BATCHED_MAX_BYTES = 1 << 30
 
 
 def _static_step_batched(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
-    """Run the batched_mm path (no data-dependent shapes, no host reads)? Only inside a static decode step, for
-    float32, and while the per-(token, expert) weight copies it gathers stay under STATIC_BATCHED_MAX_BYTES."""
+    """Run the batched_mm path (no data-dependent shapes, no host reads)? Only inside a static decode step that is
+    to be captured (``StaticDecodeMasks.capturable``), for float32, and while the per-(token, expert) weight copies
+    it gathers stay under STATIC_BATCHED_MAX_BYTES."""
     import torch
 
     from polyrl.core.attention.hf import static_decode_masks
 
-    if static_decode_masks() is None or hidden_states.dtype != torch.float32:
+    masks = static_decode_masks()
+    if masks is None or not masks.capturable or hidden_states.dtype != torch.float32:
         return False
     first = module.gate_up_proj if getattr(module, "has_gate", False) else module.up_proj
     per_pair = (first[0].numel() + module.down_proj[0].numel()) * first.element_size()
@@ -78,8 +82,8 @@ def reference_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_inde
                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The reference experts kernel: transformers' ``grouped_mm`` path (sort by expert, torch's grouped matmul,
     its own fallback where torch has none) — what a model built without ``"polyrl"`` runs by default, so the
-    numbers of the cpu and cuda backends are the ones they had. Inside a static decode step in float32: the
-    ``batched_mm`` path (:func:`_static_step_batched`), which a device graph can capture."""
+    numbers of the cpu and cuda backends are the ones they had. Inside a static decode step to be captured, in
+    float32: the ``batched_mm`` path (:func:`_static_step_batched`), which a device graph can capture."""
     from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
     if _static_step_batched(module, hidden_states, top_k_index):

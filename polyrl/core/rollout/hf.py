@@ -9,9 +9,11 @@ Every step feeds one token per row through the model's cache (transformers ``Dyn
 keep decoding padding (cheaper than re-batching) and are cut off afterwards. The loop ends when every row has
 stopped or ``max_tokens`` is reached.
 
-``decode`` (``rollout.decode``): ``dynamic`` (the default) as above; ``static`` and ``graph`` run the decode
-steps after the prefill over a preallocated cache with fixed shapes, ``graph`` replaying one captured device
-graph per step (the backend's ``device_graph``; polyrl.core.rollout.static_decode).
+``decode``: ``dynamic`` (the engine's default) as above; ``static`` and ``graph`` run the decode steps after the
+prefill over a preallocated cache with fixed shapes, ``graph`` replaying one captured device graph per step (the
+backend's ``device_graph``; polyrl.core.rollout.static_decode). The trainer passes ``rollout.decode``, whose
+``auto`` it resolves to ``graph`` with ``graph_fallback="dynamic"`` where a graph can run
+(polyrl.core.trainer.setup.decode_option).
 """
 
 from __future__ import annotations
@@ -55,13 +57,17 @@ class HFEngine:
     merge_adapters = True
 
     def __init__(self, model: Any, *, pad_token_id: int, return_routes: bool = False, decode: str = "dynamic",
-                 backend: Any = None, **_options: Any) -> None:
+                 backend: Any = None, graph_fallback: str = "static", **_options: Any) -> None:
         # _options: what the trainer offers every engine (max_model_len, ...); the hf engine needs none.
         # backend: the model's backend; decode="graph" captures with its device graph (Backend.device_graph).
         # return_routes (rollout.routing_replay=r3): record the experts the routers chose, prefill and decode.
         # decode (rollout.decode): dynamic | static | graph (module docstring).
+        # graph_fallback: how decode="graph" goes on after a failed capture: static (the step uncaptured) or
+        # dynamic (rollout.decode: auto, which picked graph only because it is usually the fastest).
         if decode not in DECODE_MODES:
             raise ValueError(f"decode={decode!r}: expected one of {', '.join(DECODE_MODES)}")
+        if graph_fallback not in ("static", "dynamic"):
+            raise ValueError(f"graph_fallback={graph_fallback!r}: expected static or dynamic")
         if decode != "dynamic" and return_routes:
             raise ValueError(f"decode={decode!r} records no routes (the routers' hooks would run once, at capture); "
                              "routing replay r3 needs decode='dynamic'")
@@ -69,6 +75,7 @@ class HFEngine:
         self.pad_token_id = int(pad_token_id)
         self.return_routes = bool(return_routes)
         self.decode = decode
+        self.graph_fallback = graph_fallback
         self.capture = None
         if decode == "graph":
             capture = backend.device_graph() if backend is not None and hasattr(backend, "device_graph") else None
@@ -202,6 +209,9 @@ class HFEngine:
                     mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
         finally:
             model.train(was_training)
+        if static is not None and static.capture_error and self.graph_fallback == "dynamic":
+            self.decode, self.capture = "dynamic", None  # warned once by the decoder; its buffers are freed
+            self._statics.clear()
 
         lengths_l = lengths.tolist()
         done_l = done.tolist()
@@ -230,7 +240,7 @@ class HFEngine:
             self.capture = None  # a capture failed on this engine (warned once): no new decoder tries again
         if len(self._statics) >= 2:
             self._statics.pop(0)
-        self._statics.append(StaticDecoder(model, batch, slots, capture=self.capture))
+        self._statics.append(StaticDecoder(model, batch, slots, capture=self.capture, fallback=self.graph_fallback))
         return self._statics[-1]
 
 

@@ -82,13 +82,15 @@ class StaticDecoder:
     prompts to their samples), then :meth:`forward` once per decode step with the tokens sampled last; it returns
     the fp32 logits [B, V] of the step (a buffer overwritten by the next step)."""
 
-    def __init__(self, model: torch.nn.Module, batch: int, slots: int, *, capture: Any = None) -> None:
+    def __init__(self, model: torch.nn.Module, batch: int, slots: int, *, capture: Any = None,
+                 fallback: str = "static") -> None:
         """``capture``: the backend's graph capture (``Backend.device_graph()``) to replay each step as one device
-        graph, or None to run the step as it is."""
+        graph, or None to run the step as it is. ``fallback``: how the engine decodes after a failed capture
+        (``static`` or ``dynamic``; named in the warning)."""
         from transformers.cache_utils import Cache, StaticLayer
 
         device = next(model.parameters()).device
-        self.model, self.batch, self.slots, self.capture = model, batch, slots, capture
+        self.model, self.batch, self.slots, self.capture, self.fallback = model, batch, slots, capture, fallback
         n_layers = int(model.config.num_hidden_layers)
         self.cache = Cache(layers=[StaticLayer(max_cache_len=slots) for _ in range(n_layers)])
         self.ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
@@ -98,7 +100,7 @@ class StaticDecoder:
         self.real = torch.zeros((batch, slots), dtype=torch.bool, device=device)  # prompt padding False
         full = torch.zeros((batch, slots), dtype=torch.bool, device=device)
         windowed = {w: torch.zeros_like(full) for w in _sliding_windows(model.config)}
-        self.masks = StaticDecodeMasks(full, windowed, self.slot, self.slot_range)
+        self.masks = StaticDecodeMasks(full, windowed, self.slot, self.slot_range, capturable=capture is not None)
         self.logits: torch.Tensor | None = None
         self.replay: Any = None
         self.graph_weights: tuple | None = None
@@ -159,9 +161,11 @@ class StaticDecoder:
             why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
             self.capture_error = f"{type(exc).__name__}: {why}{_raised_at(exc)}"
             warnings.warn(f"rollout.decode=graph: capturing the decode step failed ({self.capture_error}); this "
-                          "engine decodes without a graph from now on (as rollout.decode=static)", RuntimeWarning,
+                          f"engine decodes without a graph from now on (as rollout.decode={self.fallback})",
+                          RuntimeWarning,
                           stacklevel=3)
             self.capture = None
+            self.masks.capturable = False
             return
         self.graph_weights = _weights_key(self.model)
         self.captures += 1
