@@ -1,7 +1,8 @@
 """The cuda backend's FlashAttention-4 path on a real GPU: bf16 against the fp64 oracle (forward and every gradient,
 dsinks included) on GPT-OSS-like shapes, the rule picking FA4 for causal and Triton for window layers, and the
 deterministic backward. Skipped cleanly without CUDA, without flash_attn.cute, or on GPUs other than compute
-capability 9.x / 10.x. (Written without a GPU: not yet run.)"""
+capability 9.x / 10.x. Run on one H100 with flash-attn-4 4.0.0b36 (2026-12-06): every case passed but FA4
+at window 1 with sinks on the ragged shape (below)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,20 @@ def _check(got: dict, want: dict, label: str) -> None:
     assert not bad, f"{label}: relative errors over the bar: {bad}"
 
 
-@pytest.mark.parametrize("window", [None, 128, 1])
+# FA4 (4.0.0b36) at window 1 with sinks on the ragged shape: dQ / dK 7.10e-3 / 7.09e-3 against the 6.8e-3 bar on
+# one H100 (2026-12-06; the GPT-OSS shape at window 1: 5.4e-3, every other case <= 2.6e-3). Each query then sees
+# its own key and the sink only, so dS = P (dP - D) is the difference of two nearly equal terms and FA4's bf16
+# rounding of P and dS shows; polyrl's own bar is not widened for a peer kernel. polyrl never sends a window layer
+# to FA4 unless forced (POLYRL_CUDA_ATTENTION=fa4 / window=fa4), and GPT-OSS's window is 128.
+_FA4_WINDOW1 = pytest.mark.xfail(reason="FA4's dQ / dK at window 1 with sinks measured 7.1e-3 against the 6.8e-3 "
+                                        "bar (H100); a window layer runs Triton unless FA4 is forced", strict=False)
+
+
+@pytest.mark.parametrize("window", [None, 128, pytest.param(1, id="1")])
 @pytest.mark.parametrize(("shape", "sink"), [(GPT_OSS, True), (RAGGED, True), (RAGGED, False)])
-def test_gpu_fa4_matches_fp64_oracle(shape, sink, window):
+def test_gpu_fa4_matches_fp64_oracle(shape, sink, window, request):
+    if window == 1 and sink and shape is RAGGED:
+        request.applymarker(_FA4_WINDOW1)
     lengths, hq, hkv, d, dv = shape
     case = make_case(lengths, hq, hkv, d, dv, torch.bfloat16, sink, seed=hq + len(lengths) + (window or 0),
                      device="cuda")

@@ -23,13 +23,15 @@ read at every call):
 - ``window_tiles`` (``POLYRL_ATTN_WINDOW_TILES``): ``band`` = for windows up to ``BAND_MAX_WINDOW``, one masked
   loop over the exact band (kernels/bounds.py; window 128 at 16k tokens: 0.31 / 1.21 ms fwd / fwd+bwd against
   0.36 / 1.36); ``aligned`` = BLOCK_N-aligned key ranges split in masked edge / interior / diagonal.
-- ``configs`` (``POLYRL_ATTN_CONFIGS``): ``first`` = each kernel's first Hopper candidate; ``table`` = the
+- ``configs`` (``POLYRL_ATTN_CONFIGS``): ``first`` = each kernel's first Hopper candidate, or its measured pick for
+  the shape class on compute capability 9.x (kernels/configs.py, ``HOPPER_PICKS``); ``table`` = the
   per-head-dim table of kernels/configs.py, and q tiles launched heaviest first (forward, dQ).
   ``POLYRL_TRITON_AUTOTUNE=1`` searches whichever list is active.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ from polyrl.backends.cuda.attention_choice import choose
 from polyrl.backends.cuda.fa4 import fa4_varlen_attention
 from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
 from polyrl.backends.cuda.kernels.backward_fused import attn_bwd_fused_kernel
-from polyrl.backends.cuda.kernels.configs import table_configs
+from polyrl.backends.cuda.kernels.configs import measured_pick, table_configs
 from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel, prune_rows
 from polyrl.backends.cuda.per_batch import LastBatch
 from polyrl.core.errors import BadInputError
@@ -92,12 +94,23 @@ _TABLE_TUNERS: dict[tuple, triton.runtime.Autotuner] = {}
 _TUNE_KEY = ["D", "DV", "G_P", "HAS_WINDOW", "HAS_SINK", "W", "BAND"]
 
 
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+
+
 def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None) -> None:
-    """Run ``kernel`` (an Autotuner over its first-config list) or, with ``configs="table"``, the same Triton
+    """Run ``kernel`` (an Autotuner over its first-config list; a measured pick of
+    polyrl.backends.cuda.kernels.configs.HOPPER_PICKS instead where one applies) or, with ``configs="table"``, the same Triton
     function with the table's config for (name, head-dim class, band); several candidates (autotuning on)
     go through an Autotuner of their own, cached per candidate list."""
     if options.configs == "first":
-        kernel[grid](*args, **meta)
+        pick = measured_pick(name, meta["D"], meta["DV"], meta["HAS_WINDOW"], _capability(args[0].device))
+        if pick is None:
+            kernel[grid](*args, **meta)
+            return
+        (config,) = prune_rows([pick], meta)
+        kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
         return
     configs = table_configs(name, meta["D"], meta["DV"], meta["BAND"])
     if len(configs) == 1:
