@@ -41,8 +41,10 @@ if TYPE_CHECKING:
 #   online vs two-pass softmax, exp2 folding) by more than the final rounding does; any real bug is >= 1e-3.
 ATTENTION_MARGIN = {"float32": 32, "bfloat16": 4, "float16": 4}
 # Worst error of the reference kernel over ATTENTION_CASES (torch 2.x CPU; re-measured by every conformance test run).
+# float32 depends on the CPU's kernels (accumulation order): the worst over the machines it ran on (grad: 3.7e-7 on
+# the CI's VMs, 4.51e-7 on a 2-core VM of 2026-12-06).
 REFERENCE_ATTENTION_ERRORS: dict[str, dict[str, float]] = {
-    "float32": {"forward": 3.6e-7, "forward.row": 1.9e-6, "grad": 3.7e-7, "grad.row": 1.7e-6, "dsinks": 6.4e-7},
+    "float32": {"forward": 3.6e-7, "forward.row": 1.9e-6, "grad": 4.6e-7, "grad.row": 1.7e-6, "dsinks": 6.4e-7},
     "bfloat16": {"forward": 1.7e-3, "forward.row": 2.8e-3, "grad": 1.7e-3, "grad.row": 2.8e-3, "dsinks": 2.9e-3},
     "float16": {"forward": 2.2e-4, "forward.row": 3.5e-4, "grad": 2.2e-4, "grad.row": 3.4e-4, "dsinks": 3.6e-4},
 }
