@@ -44,12 +44,13 @@ def test_what_cannot_run_is_refused_in_one_line(tmp_path: Path, run_cli, overrid
 
 
 class _Cfg:
-    """The two keys decode_option reads."""
+    """The keys decode_option reads."""
 
-    def __init__(self, decode: str, routing_replay: str = "off") -> None:
+    def __init__(self, decode: str, routing_replay: str = "off", lora: bool = False, merge: bool = True) -> None:
         from types import SimpleNamespace
 
         self.rollout = SimpleNamespace(decode=decode, routing_replay=routing_replay)
+        self.model = SimpleNamespace(lora=SimpleNamespace(enabled=lora, merge_for_rollout=merge))
 
 
 class _GraphCapable:
@@ -70,6 +71,8 @@ def test_auto_takes_graph_only_where_it_can_run(monkeypatch) -> None:
     assert decode_option(_Cfg("auto"), "vllm", _GraphCapable()) == {}  # another engine decodes its own way
     assert decode_option(_Cfg("auto", "r3"), "hf", _GraphCapable()) == {}  # r3 records routes every step
     assert decode_option(_Cfg("auto", "r2"), "hf", _GraphCapable()) == graph
+    assert decode_option(_Cfg("auto", lora=True), "hf", _GraphCapable()) == {}  # merged: new weights every call
+    assert decode_option(_Cfg("auto", lora=True, merge=False), "hf", _GraphCapable()) == graph
     assert decode_option(_Cfg("graph"), "hf", _GraphCapable()) == {"decode": "graph"}  # explicit: falls back to static
     monkeypatch.setattr(D, "get_world_size", lambda: 2)
     assert decode_option(_Cfg("auto"), "hf", _GraphCapable()) == {}  # FSDP2 gathers weights inside the forward

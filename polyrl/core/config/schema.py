@@ -114,8 +114,8 @@ class RolloutConfig:
     # The hf engine's decode steps (docs/rollout.md, "Static decode and CUDA graphs"): dynamic (transformers'
     # growing cache) | static (a preallocated cache, fixed shapes, no host reads in the step) | graph (static,
     # each step one replay of a captured device graph: Backend.device_graph, CUDA graphs on cuda; one process) |
-    # auto: graph where it can run (the hf engine, a backend with device graphs, one process, no r3), dynamic
-    # elsewhere and after a failed capture.
+    # auto: graph where it can run (the hf engine, a backend with device graphs, one process, no r3, no LoRA
+    # merged for the rollout), dynamic elsewhere and after a failed capture.
     decode: Literal["auto", "dynamic", "static", "graph"] = "auto"
 
     def __post_init__(self) -> None:

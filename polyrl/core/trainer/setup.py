@@ -280,13 +280,15 @@ def decode_option(cfg: RunConfig, engine_name: str, backend: Backend) -> dict[st
     graphs (``Backend.device_graph``), more than one process (FSDP2 gathers the weights inside every forward).
     ``auto`` takes ``graph`` where all of that holds and routing replay is not r3 (measured on an H100: the tiny
     DAPO recipe's wall 37.8 s -> 29.8 s), the engine's dynamic decode elsewhere (on 2 CPU cores the uncaptured
-    static step is no faster), and falls back to dynamic if the capture fails."""
+    static step is no faster; with LoRA merged for the rollout, every generate call swaps in new weight tensors,
+    so a graph would be captured again each call), and falls back to dynamic if the capture fails."""
     from polyrl.core import distributed as D
 
     mode = cfg.rollout.decode
     if mode == "auto":
+        lora = cfg.model.lora
         graph_ok = (engine_name == "hf" and cfg.rollout.routing_replay != "r3" and D.get_world_size() == 1
-                    and backend.device_graph() is not None)
+                    and not (lora.enabled and lora.merge_for_rollout) and backend.device_graph() is not None)
         return {"decode": "graph", "graph_fallback": "dynamic"} if graph_ok else {}
     if mode == "dynamic":
         return {}
