@@ -350,7 +350,7 @@ class VllmEngine:
             overrides["sliding_window"] = self.window + self.settings.sliding_window_offset
         if overrides:
             kwargs["hf_overrides"] = overrides
-        if self.settings.mla_attention_backend and getattr(config, "kv_lora_rank", None):
+        if self.settings.mla_attention_backend and is_mla(config):
             kwargs["attention_backend"] = self.settings.mla_attention_backend
         if D.is_distributed():
             # one engine per torchrun rank, in the rank's process, on the process group torchrun set up
@@ -720,14 +720,22 @@ def refusal(config: Any, backend: Any) -> str:
     if model_type in settings.refused_models:
         return settings.refused_models[model_type]
     trained = str(getattr(config, "dtype", None) or "float32").removeprefix("torch.")
-    return attention_problem(config, settings.engine_dtype(model_type, trained), settings.env)
+    return attention_problem(config, settings.engine_dtype(model_type, trained), settings.env,
+                             settings.mla_attention_backend)
 
 
-def attention_problem(config: Any, dtype: str, env: dict[str, str] | None = None) -> str:
+def is_mla(config: Any) -> bool:
+    """DeepSeek's multi-head latent attention (a compressed KV latent of ``kv_lora_rank``)."""
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
+def attention_problem(config: Any, dtype: str, env: dict[str, str] | None = None,
+                      mla_backend: str | None = None) -> str:
     """What vLLM's attention-backend selection says for this model's attention in ``dtype`` on this machine:
     "" when it finds a backend, else why not (one line). MLA is asked with its cached head (``kv_lora_rank +
-    qk_rope_head_dim``), GPT-OSS with its sinks and sliding window. "" too where the selection cannot be asked
-    (the build then decides when it builds)."""
+    qk_rope_head_dim``) and the backend the engine names for it (``mla_backend``: VllmSettings.mla_attention_backend),
+    GPT-OSS with its sinks and sliding window. "" too where the selection cannot be asked (the build then decides
+    when it builds)."""
     import torch
 
     for key, value in (env or {}).items():
@@ -737,7 +745,7 @@ def attention_problem(config: Any, dtype: str, env: dict[str, str] | None = None
         from vllm.v1.attention.selector import get_attn_backend
     except ImportError:
         return ""
-    mla = bool(getattr(config, "kv_lora_rank", None))
+    mla = is_mla(config)
     if mla:
         head = int(config.kv_lora_rank) + int(config.qk_rope_head_dim)
     else:
@@ -745,7 +753,7 @@ def attention_problem(config: Any, dtype: str, env: dict[str, str] | None = None
     sinks = str(getattr(config, "model_type", "")) == "gpt_oss"
     window = bool(getattr(config, "sliding_window", None))
     try:
-        vllm_config = VllmConfig()
+        vllm_config = VllmConfig(**({"attention_config": {"backend": mla_backend}} if mla and mla_backend else {}))
     except Exception:  # a build whose default config needs more than this machine has
         return ""
     kind = "MLA" if mla else "attention"
@@ -795,7 +803,7 @@ def kv_cache_bytes(config: Any, max_num_seqs: int, max_len: int, dtype: str, blo
 
     width = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     layers = int(config.num_hidden_layers)
-    if getattr(config, "kv_lora_rank", None):  # MLA caches the compressed latent and the rope key
+    if is_mla(config):  # MLA caches the compressed latent and the rope key
         per_token = layers * (int(config.kv_lora_rank) + int(config.qk_rope_head_dim)) * width
     else:
         heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)

@@ -84,7 +84,7 @@ def test_the_vllm_refusal_asks_the_backends_list_then_vllms_attention_selection(
     gpt_oss = types.SimpleNamespace(model_type="gpt_oss", head_dim=64, sliding_window=128, dtype="float32")
     assert vllm_engine.refusal(gpt_oss, backend) == "no sinks"
     asked = []
-    monkeypatch.setattr(vllm_engine, "attention_problem", lambda config, dtype, env=None: asked.append(dtype) or "")
+    monkeypatch.setattr(vllm_engine, "attention_problem", lambda config, dtype, env=None, mla_backend=None: asked.append(dtype) or "")
     mla = types.SimpleNamespace(model_type="deepseek_v3", kv_lora_rank=32, qk_rope_head_dim=16, dtype="float32")
     monkeypatch.setattr(backend, "rollout_engine_options", lambda engine: {"model_dtypes": {"deepseek_v3": "bfloat16"}})
     assert vllm_engine.refusal(mla, backend) == "" and asked == ["bfloat16"]  # in the engine's dtype, not the trainer's

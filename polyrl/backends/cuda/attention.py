@@ -99,23 +99,27 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
+def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config) -> None:
+    """The Triton function under ``kernel``'s autotuner with one config (its row tile widened to the GQA group)."""
+    (config,) = prune_rows([config], meta)
+    kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+
+
 def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None) -> None:
     """Run ``kernel`` (an Autotuner over its first-config list; a measured pick of
-    polyrl.backends.cuda.kernels.configs.HOPPER_PICKS instead where one applies) or, with ``configs="table"``, the same Triton
-    function with the table's config for (name, head-dim class, band); several candidates (autotuning on)
-    go through an Autotuner of their own, cached per candidate list."""
+    polyrl.backends.cuda.kernels.configs.HOPPER_PICKS instead where one applies) or, with ``configs="table"``,
+    the same Triton function with the table's config for (name, head-dim class, band); several candidates
+    (autotuning on) go through an Autotuner of their own, cached per candidate list."""
     if options.configs == "first":
         pick = measured_pick(name, meta["D"], meta["DV"], meta["HAS_WINDOW"], _capability(args[0].device))
         if pick is None:
             kernel[grid](*args, **meta)
-            return
-        (config,) = prune_rows([pick], meta)
-        kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        else:
+            _launch_one(kernel, grid, args, meta, pick)
         return
     configs = table_configs(name, meta["D"], meta["DV"], meta["BAND"])
     if len(configs) == 1:
-        (config,) = prune_rows(configs, meta)
-        kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+        _launch_one(kernel, grid, args, meta, configs[0])
         return
     tuner_key = (name, tuple(str(c) for c in configs))
     if tuner_key not in _TABLE_TUNERS:

@@ -100,7 +100,7 @@ class StaticDecoder:
         self.real = torch.zeros((batch, slots), dtype=torch.bool, device=device)  # prompt padding False
         full = torch.zeros((batch, slots), dtype=torch.bool, device=device)
         windowed = {w: torch.zeros_like(full) for w in _sliding_windows(model.config)}
-        self.masks = StaticDecodeMasks(full, windowed, self.slot, self.slot_range, capturable=capture is not None)
+        self.masks = StaticDecodeMasks(full, windowed, self.slot, self.slot_range)
         self.logits: torch.Tensor | None = None
         self.replay: Any = None
         self.graph_weights: tuple | None = None
@@ -134,6 +134,8 @@ class StaticDecoder:
 
     def _step(self) -> None:
         """The captured part: masks from the slot, one forward over the static cache, the last position's logits."""
+        # the warm-up and the capture run this step; after a failed capture it runs uncaptured, on cheaper paths
+        self.masks.capturable = self.capture is not None
         full = self.real & (self.slot_range <= self.slot)
         self.masks.full.copy_(full)
         for w, m in self.masks.windowed.items():
@@ -165,7 +167,6 @@ class StaticDecoder:
                           RuntimeWarning,
                           stacklevel=3)
             self.capture = None
-            self.masks.capturable = False
             return
         self.graph_weights = _weights_key(self.model)
         self.captures += 1

@@ -285,22 +285,26 @@ def decode_option(cfg: RunConfig, engine_name: str, backend: Backend) -> dict[st
     from polyrl.core import distributed as D
 
     mode = cfg.rollout.decode
-    if mode == "auto":
-        lora = cfg.model.lora
-        graph_ok = (engine_name == "hf" and cfg.rollout.routing_replay != "r3" and D.get_world_size() == 1
-                    and not (lora.enabled and lora.merge_for_rollout) and backend.device_graph() is not None)
-        return {"decode": "graph", "graph_fallback": "dynamic"} if graph_ok else {}
     if mode == "dynamic":
         return {}
     if engine_name != "hf":
-        raise BadInputError(f"rollout.decode={mode}: the {engine_name!r} engine decodes its own way; only the hf "
-                            "engine has this option")
-    if mode == "graph" and backend.device_graph() is None:
-        raise BadInputError(f"rollout.decode=graph: backend {backend.name!r} cannot capture device graphs; use "
-                            "rollout.decode=static or dynamic")
-    if D.get_world_size() > 1:
-        raise BadInputError(f"rollout.decode={mode} runs on one process; this run has {D.get_world_size()}")
-    return {"decode": mode}
+        why = (f"rollout.decode={mode}: the {engine_name!r} engine decodes its own way; only the hf engine has this "
+               "option")
+    elif mode in ("auto", "graph") and backend.device_graph() is None:
+        why = (f"rollout.decode=graph: backend {backend.name!r} cannot capture device graphs; use "
+               "rollout.decode=static or dynamic")
+    elif D.get_world_size() > 1:
+        why = f"rollout.decode={mode} runs on one process; this run has {D.get_world_size()}"
+    else:
+        why = ""
+    if mode != "auto":
+        if why:
+            raise BadInputError(why)
+        return {"decode": mode}
+    lora = cfg.model.lora
+    if why or cfg.rollout.routing_replay == "r3" or (lora.enabled and lora.merge_for_rollout):
+        return {}
+    return {"decode": "graph", "graph_fallback": "dynamic"}
 
 
 def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> Components:
