@@ -100,7 +100,7 @@ def test_doctor_runs_the_self_check_where_the_backend_is_available(capsys, monke
     monkeypatch.setattr(AscendBackend, "selfcheck_module", "emulated_selfcheck")
     rc, out, _ = _doctor(capsys, "--backend", "ascend", "--selfcheck", "--json")
     check = json.loads(out)["selfcheck"]
-    assert check["status"] == "pass" and check["returncode"] == 0, check
+    assert check["status"] == "pass" and check["returncode"] == 0, [ln for ln in check["output"] if "[   pass]" not in ln]
     # 12 attention cases, 4 experts cases, 6 all-to-all cases
     assert sum("[   pass]" in line for line in check["output"]) == 22
     assert rc == (0 if json.loads(out)["healthy"] else 1)

@@ -113,9 +113,9 @@ def run_self_check(backend: Any = None) -> list[SelfCheckRow]:
             dv_norm = expected[3].double().norm().item() if window == 1 else 0.0
             for what, a, e in zip(("out", "dq", "dk", "dv", "dsink"), got, expected):
                 floor = dv_norm if what in ("dq", "dk") else 0.0
-                err, bar, ok = check_close("attention.forward" if what == "out" else "attention.grad", a, e, dtype,
-                                           floor=floor)
-                worst += f"{what} {err:.1e}/{bar:.0e} "
+                kind = {"out": "attention.forward", "dsink": "attention.dsinks"}.get(what, "attention.grad")
+                err, bar, ok = check_close(kind, a, e, dtype, floor=floor)
+                worst += f"{what} {err:.1e}/{bar:.1e} "
                 if not ok:
                     failed.append(what)
             status = FAIL if failed else PASS
