@@ -269,7 +269,7 @@ def test_fp32_experts_take_the_capturable_path_inside_a_captured_static_step(nam
     from polyrl.core.models import experts as E
 
     calls = {"batched": 0, "grouped": 0}
-    real_b, real_g = moe.batched_mm_experts_forward, moe.grouped_mm_experts_forward
+    real_b, real_g = moe.batched_mm_experts_forward, E.grouped_experts
 
     def batched(*a, **k):
         calls["batched"] += 1
@@ -279,7 +279,7 @@ def test_fp32_experts_take_the_capturable_path_inside_a_captured_static_step(nam
         calls["grouped"] += 1
         return real_g(*a, **k)
     monkeypatch.setattr(moe, "batched_mm_experts_forward", batched)
-    monkeypatch.setattr(moe, "grouped_mm_experts_forward", grouped)
+    monkeypatch.setattr(E, "grouped_experts", grouped)
     model = _model(name)
     params = SamplingParams(temperature=0.9, max_tokens=MAX_TOKENS)
 

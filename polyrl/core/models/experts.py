@@ -81,14 +81,139 @@ def _static_step_batched(module: nn.Module, hidden_states: torch.Tensor, top_k_i
 def reference_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """The reference experts kernel: transformers' ``grouped_mm`` path (sort by expert, torch's grouped matmul,
-    its own fallback where torch has none) — what a model built without ``"polyrl"`` runs by default, so the
-    numbers of the cpu and cuda backends are the ones they had. Inside a static decode step to be captured, in
-    float32: the ``batched_mm`` path (:func:`_static_step_batched`), which a device graph can capture."""
-    from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
+    its own fallback where torch has none) with gathers that never scatter in the backward
+    (:func:`grouped_experts`) — the forward of a model built without ``"polyrl"``, bit for bit. Inside a static
+    decode step to be captured, in float32: the ``batched_mm`` path (:func:`_static_step_batched`), which a device
+    graph can capture."""
+    from transformers.integrations.moe import batched_mm_experts_forward
 
     if _static_step_batched(module, hidden_states, top_k_index):
         return batched_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
-    return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+    return grouped_experts(module, hidden_states, top_k_index, top_k_weights)
+
+
+def _gathers():
+    """The two autograd functions of the experts' gathers (built on first use: torch is imported lazily here)."""
+    import torch
+
+    class RowGather(torch.autograd.Function):
+        """``x.index_select(0, index)`` whose backward is a gather too. ``inverse`` lists, for each of the
+        ``x.shape[0] * fan_out`` (source row, copy) pairs in source-major order, the output row that holds it: the
+        backward gathers those rows and sums each source row's ``fan_out`` copies in that order."""
+
+        @staticmethod
+        def forward(ctx, x, index, inverse, fan_out):
+            ctx.save_for_backward(inverse)
+            ctx.fan_out, ctx.rows = fan_out, x.shape[0]
+            return x.index_select(0, index)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (inverse,) = ctx.saved_tensors
+            rows = grad.index_select(0, inverse)
+            if ctx.fan_out > 1:
+                rows = rows.view(ctx.rows, ctx.fan_out, *grad.shape[1:]).sum(dim=1)
+            return rows, None, None, None
+
+    class BiasGather(torch.autograd.Function):
+        """``bias.index_select(0, expert_ids)``, one row per (token, expert) pair. Backward: each expert's rows
+        summed in a float32 (or wider) buffer, deterministically — ``index_add_`` on the CPU (a serial loop),
+        ``index_put_(accumulate=True)`` elsewhere (sorted, no atomics: CUDA's ``index_add_`` would race)."""
+
+        @staticmethod
+        def forward(ctx, bias, expert_ids):
+            ctx.save_for_backward(expert_ids)
+            ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
+            return bias.index_select(0, expert_ids)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (expert_ids,) = ctx.saved_tensors
+            acc = grad.new_zeros(ctx.bias_shape, dtype=torch.promote_types(ctx.bias_dtype, torch.float32))
+            if grad.device.type == "cpu":
+                acc.index_add_(0, expert_ids, grad.to(acc.dtype))
+            else:
+                acc.index_put_((expert_ids,), grad.to(acc.dtype), accumulate=True)
+            return acc.to(ctx.bias_dtype), None
+
+    return RowGather, BiasGather
+
+
+_GATHERS = None
+
+
+def _gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fan_out: int = 1) -> torch.Tensor:
+    """``x[index]`` where every row of ``x`` is taken exactly ``fan_out`` times, ``inverse`` saying where (see
+    RowGather); a permutation is ``fan_out=1`` with ``inverse`` its inverse permutation."""
+    import torch
+
+    global _GATHERS
+    if not (torch.is_grad_enabled() and x.requires_grad):  # nothing to differentiate: the plain gather
+        return x.index_select(0, index)
+    if _GATHERS is None:
+        _GATHERS = _gathers()
+    return _GATHERS[0].apply(x, index, inverse, fan_out)
+
+
+def _gather_bias(bias: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    """``bias[expert_ids]`` with a deterministic float32 backward (see BiasGather)."""
+    import torch
+
+    global _GATHERS
+    if not (torch.is_grad_enabled() and bias.requires_grad):
+        return bias.index_select(0, expert_ids)
+    if _GATHERS is None:
+        _GATHERS = _gathers()
+    return _GATHERS[1].apply(bias, expert_ids)
+
+
+def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts path (``grouped_mm_experts_forward``: the same sort, offsets, grouped
+    matmuls, gating and sum over the k slots, so the same forward bit for bit) with cheaper gathers.
+
+    transformers gathers with ``tensor[index]``, whose backward is ``index_put_(accumulate=True)``: a sort and a
+    pass over the sorted indices on CUDA (its ``indexing_backward_kernel`` measured about 30% of the tiny GPT-OSS
+    recipe's GPU time on an H100) and, under deterministic algorithms (polyrl's CPU runs), a serial loop on the CPU. Here the token rows, the routing weights and the final un-sort are gathers whose
+    backward is a gather as well (each token's k rows summed in slot order, a permutation undone by its inverse),
+    and only the per-row biases still accumulate (BiasGather). With k = 2 every gradient is the one
+    transformers' path gives, bit for bit (two terms add the same in either order); with k > 2 the input gradient
+    sums a token's rows in slot order instead of expert order; the bias gradients are summed in float32 (bf16: closer
+    to exact than transformers' bf16 accumulation). transformers' own expert parallelism (sentinel
+    expert ids) and a transformers without the helper used here run its function unchanged."""
+    import torch
+
+    try:
+        from transformers.integrations.moe import _grouped_linear
+    except ImportError:  # a transformers that renamed its helper: its whole path, gathers and all
+        _grouped_linear = None
+    if _grouped_linear is None or getattr(module, "_is_expert_parallel", False):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(module, hidden_states, top_k_index, top_k_weights)
+
+    num_tokens, k = top_k_index.shape
+    hidden_dim = hidden_states.shape[-1]
+    expert_ids_g, perm = torch.sort(top_k_index.reshape(-1))  # the (token, slot) pairs grouped by expert
+    inv_perm = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    rows = _gather_rows(hidden_states, perm // k, inv_perm, k)  # pair j of token t is row inv_perm[t * k + j]
+    weights_g = _gather_rows(top_k_weights.reshape(-1), perm, inv_perm)
+
+    # histc, not bincount (device graphs); deterministic CPU histc takes floats, CUDA's ints (as transformers does)
+    counts_in = expert_ids_g.float() if hidden_states.device.type in ("cpu", "mps") else expert_ids_g.int()
+    counts = torch.histc(counts_in, bins=module.num_experts, min=0, max=module.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+    first = module.gate_up_proj if module.has_gate else module.up_proj
+    first_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
+    out = _grouped_linear(rows, first, offsets, is_transposed=module.is_transposed,
+                          bias=None if first_bias is None else _gather_bias(first_bias, expert_ids_g))
+    out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
+    down_bias = _gather_bias(module.down_proj_bias, expert_ids_g) if module.has_bias else None
+    out = _grouped_linear(out, module.down_proj, offsets, bias=down_bias, is_transposed=module.is_transposed)
+    out = out * weights_g.unsqueeze(-1)
+    out = _gather_rows(out, inv_perm, perm)  # back to (token, slot) order
+    return out.view(num_tokens, k, hidden_dim).sum(dim=1).to(hidden_states.dtype)
 
 
 def register() -> None:

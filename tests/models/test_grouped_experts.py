@@ -1,0 +1,120 @@
+"""polyrl.core.models.experts.grouped_experts: transformers' grouped_mm experts path with gathers whose backward does
+not scatter. Same forward bit for bit; with k = 2 (the tiny presets) the same gradients bit for bit in float32;
+every gradient against float64; deterministic; transformers' own expert parallelism runs transformers' function."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers.integrations import moe
+
+from polyrl.core.models import build_model
+from polyrl.core.models import experts as E
+from polyrl.core.plugins import list_backends
+
+
+def _experts(preset: str):
+    model = build_model(preset, vocab_size=32, seed=0, backend=list_backends()["cpu"])
+    return model.config, next(m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "num_experts"))
+
+
+def _case(config, module, k: int, tokens: int = 37, seed: int = 1):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, config.hidden_size, generator=gen)
+    top_k_index = torch.rand(tokens, module.num_experts, generator=gen).topk(k, dim=-1).indices
+    top_k_weights = torch.rand(tokens, k, generator=gen).softmax(-1)
+    d_out = torch.randn(tokens, config.hidden_size, generator=gen)
+    return hidden, top_k_index, top_k_weights, d_out
+
+
+def _run(fn, module, case, dtype):
+    """Output, d hidden, d routing weights and every parameter's gradient."""
+    hidden, top_k_index, top_k_weights, d_out = case
+    module = copy.deepcopy(module).to(dtype)
+    h = hidden.detach().to(dtype).clone().requires_grad_()
+    w = top_k_weights.detach().to(dtype).clone().requires_grad_()
+    out = fn(module, h, top_k_index, w)
+    out.backward(d_out.to(dtype))
+    return [out.detach(), h.grad, w.grad, *(p.grad for p in module.parameters())]
+
+
+@pytest.mark.parametrize("preset", ["gpt_oss_tiny", "deepseek_v3_tiny"])
+def test_float32_matches_transformers_bit_for_bit_with_two_experts_a_token(preset):
+    config, module = _experts(preset)
+    assert config.num_experts_per_tok == 2
+    case = _case(config, module, 2)
+    with torch.inference_mode(False):
+        torch.use_deterministic_algorithms(True, warn_only=True)  # polyrl's CPU runs (pin_determinism)
+        try:
+            ours = _run(E.grouped_experts, module, case, torch.float32)
+            theirs = _run(moe.grouped_mm_experts_forward, module, case, torch.float32)
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert len(ours) == len(theirs) >= 5
+    for a, b in zip(ours, theirs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("preset", ["gpt_oss_tiny", "deepseek_v3_tiny"])
+@pytest.mark.parametrize("k", [2, 3])
+def test_every_gradient_against_float64(preset, k):
+    """float32 and bfloat16 against float64 (transformers' batched_mm path: torch has no float64 grouped matmul).
+    The bf16 bias gradients are summed in float32, closer to exact than transformers' bf16 accumulation."""
+    config, module = _experts(preset)
+    case = _case(config, module, k)
+    exact = _run(moe.batched_mm_experts_forward, module, case, torch.float64)
+    for dtype, bar in ((torch.float32, 1e-6), (torch.bfloat16, 2e-2)):
+        for got, want in zip(_run(E.grouped_experts, module, case, dtype), exact):
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err < bar, (dtype, err)
+
+
+def test_the_same_numbers_on_every_call():
+    config, module = _experts("gpt_oss_tiny")
+    case = _case(config, module, 2, tokens=300)
+    first = _run(E.grouped_experts, module, case, torch.bfloat16)
+    for _ in range(3):
+        assert all(torch.equal(a, b) for a, b in zip(_run(E.grouped_experts, module, case, torch.bfloat16), first))
+
+
+def test_no_index_put_in_the_backward_but_the_biases(monkeypatch):
+    """The token rows, the routing weights and the un-sort differentiate by gathers: ``index_put_`` (the scatter
+    behind ``tensor[index]``'s backward) runs only for the two bias gradients off the CPU, and never on it."""
+    from torch.profiler import profile
+
+    config, module = _experts("gpt_oss_tiny")
+    case = _case(config, module, 2)
+    with profile() as prof:
+        _run(E.grouped_experts, module, case, torch.float32)
+    names = {e.key for e in prof.key_averages()}
+    assert "aten::index_put_" not in names and "aten::_index_put_impl_" not in names
+    assert {"RowGatherBackward", "BiasGatherBackward"} <= names
+    with profile() as prof:
+        _run(moe.grouped_mm_experts_forward, module, case, torch.float32)
+    assert "aten::_index_put_impl_" in {e.key for e in prof.key_averages()}  # what the test would have caught
+
+
+def test_without_grad_the_plain_gathers_run():
+    config, module = _experts("gpt_oss_tiny")
+    hidden, top_k_index, top_k_weights, _ = _case(config, module, 2)
+    with torch.no_grad():
+        ours = E.grouped_experts(module, hidden, top_k_index, top_k_weights)
+        theirs = moe.grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
+    assert torch.equal(ours, theirs) and ours.grad_fn is None
+
+
+def test_transformers_expert_parallel_modules_run_its_own_function(monkeypatch):
+    config, module = _experts("gpt_oss_tiny")
+    hidden, top_k_index, top_k_weights, _ = _case(config, module, 2)
+    calls = []
+    real = moe.grouped_mm_experts_forward
+    monkeypatch.setattr(moe, "grouped_mm_experts_forward", lambda *a: calls.append(1) or real(*a))
+    module = copy.deepcopy(module)
+    module._is_expert_parallel = False
+    E.grouped_experts(module, hidden, top_k_index, top_k_weights)
+    assert calls == []
+    module._is_expert_parallel = True
+    E.grouped_experts(module, hidden, top_k_index, top_k_weights)
+    assert calls == [1]
