@@ -5,7 +5,8 @@
 # 1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 4096 and 16384 tokens):
 #    polyrl's experts path beside transformers' grouped_mm path, same run, and the ratio;
 # 2. bench/profile_step.py on the tiny DAPO recipe (cuda, 20 steps, 3 profiled): the step split and the top kernels
-#    (indexing_backward_kernel was about 30% of the GPU time on c178864);
+#    (indexing_backward_kernel was about 30% of the GPU time on c178864) and the host<-device syncs by call site
+#    (the profile's 1,446 a step count every item(), CPU tensors' too);
 # 3. bench/recipe_tiny.py, both tiny recipes, seeds 0-4, one run at a time: walls against the 30 s / 45 s goals and the
 #    last-10 rewards (>= 0.9).
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
@@ -18,8 +19,9 @@ for t in 4096 16384; do
   echo "experts_path $t rc=$?"; tail -3 "$OUT/experts_path_$t.log"
 done
 timeout 120 python3 bench/profile_step.py polyrl/recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 20 \
-  --profile-steps 3 --out "$OUT/profile_dapo.json" > "$OUT/profile_dapo.log" 2>&1
+  --profile-steps 3 --sync-sources 3 --out "$OUT/profile_dapo.json" > "$OUT/profile_dapo.log" 2>&1
 echo "profile rc=$?"; grep -E "start-up|median over|per step|indexing|Self CUDA time" "$OUT/profile_dapo.log" | head -12
+grep -A12 "host<-device syncs:" "$OUT/profile_dapo.log"
 timeout 360 python3 bench/recipe_tiny.py --backend cuda --recipes gpt_oss_dapo_tiny deepseek_ppo_tiny \
   --seeds 0 1 2 3 4 --jobs 1 --out "$OUT/recipe_tiny.json" > "$OUT/recipe_tiny.log" 2>&1
 echo "recipes rc=$?"; grep -E "^(gpt_oss|deepseek)" "$OUT/recipe_tiny.log" | tail -12
