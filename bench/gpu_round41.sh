@@ -7,6 +7,7 @@
 # 2. bench/profile_step.py on the tiny DAPO recipe (cuda, 20 steps, 3 profiled): the step split and the top kernels
 #    (indexing_backward_kernel was about 30% of the GPU time on c178864) and the host<-device syncs by call site
 #    (the profile's 1,446 a step count every item(), CPU tensors' too);
+#    and a cProfile of the trainer build (9 s of the 14 s start-up on c178864: imports, or something else?);
 # 3. bench/recipe_tiny.py, both tiny recipes, seeds 0-4, one run at a time: walls against the 30 s / 45 s goals and the
 #    last-10 rewards (>= 0.9).
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
@@ -19,9 +20,10 @@ for t in 4096 16384; do
   echo "experts_path $t rc=$?"; tail -3 "$OUT/experts_path_$t.log"
 done
 timeout 120 python3 bench/profile_step.py polyrl/recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 20 \
-  --profile-steps 3 --sync-sources 3 --out "$OUT/profile_dapo.json" > "$OUT/profile_dapo.log" 2>&1
+  --profile-steps 3 --sync-sources 3 --profile-build --out "$OUT/profile_dapo.json" > "$OUT/profile_dapo.log" 2>&1
 echo "profile rc=$?"; grep -E "start-up|median over|per step|indexing|Self CUDA time" "$OUT/profile_dapo.log" | head -12
 grep -A12 "host<-device syncs:" "$OUT/profile_dapo.log"
+grep -A30 "trainer build, cProfile" "$OUT/profile_dapo.log" | cut -c1-150 | tail -22
 timeout 360 python3 bench/recipe_tiny.py --backend cuda --recipes gpt_oss_dapo_tiny deepseek_ppo_tiny \
   --seeds 0 1 2 3 4 --jobs 1 --out "$OUT/recipe_tiny.json" > "$OUT/recipe_tiny.log" 2>&1
 echo "recipes rc=$?"; grep -E "^(gpt_oss|deepseek)" "$OUT/recipe_tiny.log" | tail -12
