@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 ATTENTION_MARGIN = {"float32": 32, "bfloat16": 4, "float16": 4}
 # Worst error of the reference kernel over ATTENTION_CASES (torch 2.x CPU; re-measured by every conformance test run).
 # float32 depends on the CPU's kernels (accumulation order): the worst over the machines it ran on (grad: 3.7e-7 on
-# the CI's VMs, 4.51e-7 on a 2-core VM of 2026-12-06).
+# the CI's VMs, 4.51e-7 on a 2-core VM of 2026-12-06; dsinks 6.55e-7 on an AMD VM of the same day). The drift test
+# lets float32 measure up to 1.5x the record, the half types 1.1x.
 REFERENCE_ATTENTION_ERRORS: dict[str, dict[str, float]] = {
     "float32": {"forward": 3.6e-7, "forward.row": 1.9e-6, "grad": 4.6e-7, "grad.row": 1.7e-6, "dsinks": 6.4e-7},
     "bfloat16": {"forward": 1.7e-3, "forward.row": 2.8e-3, "grad": 1.7e-3, "grad.row": 2.8e-3, "dsinks": 2.9e-3},
