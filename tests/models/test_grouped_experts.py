@@ -15,6 +15,15 @@ from polyrl.core.models import experts as E
 from polyrl.core.plugins import list_backends
 
 
+@pytest.fixture
+def deterministic():
+    """torch's deterministic algorithms, as polyrl's CPU runs set them (polyrl.core.distributed.process)."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
 def _experts(preset: str):
     model = build_model(preset, vocab_size=32, seed=0, backend=list_backends()["cpu"])
     return model.config, next(m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "num_experts"))
@@ -41,17 +50,12 @@ def _run(fn, module, case, dtype):
 
 
 @pytest.mark.parametrize("preset", ["gpt_oss_tiny", "deepseek_v3_tiny"])
-def test_float32_matches_transformers_bit_for_bit_with_two_experts_a_token(preset):
+def test_float32_matches_transformers_bit_for_bit_with_two_experts_a_token(preset, deterministic):
     config, module = _experts(preset)
     assert config.num_experts_per_tok == 2
     case = _case(config, module, 2)
-    with torch.inference_mode(False):
-        torch.use_deterministic_algorithms(True, warn_only=True)  # polyrl's CPU runs (pin_determinism)
-        try:
-            ours = _run(E.grouped_experts, module, case, torch.float32)
-            theirs = _run(moe.grouped_mm_experts_forward, module, case, torch.float32)
-        finally:
-            torch.use_deterministic_algorithms(False)
+    ours = _run(E.grouped_experts, module, case, torch.float32)
+    theirs = _run(moe.grouped_mm_experts_forward, module, case, torch.float32)
     assert len(ours) == len(theirs) >= 5
     for a, b in zip(ours, theirs):
         assert torch.equal(a, b)
@@ -71,7 +75,7 @@ def test_every_gradient_against_float64(preset, k):
             assert err < bar, (dtype, err)
 
 
-def test_the_same_numbers_on_every_call():
+def test_the_same_numbers_on_every_call(deterministic):
     config, module = _experts("gpt_oss_tiny")
     case = _case(config, module, 2, tokens=300)
     first = _run(E.grouped_experts, module, case, torch.bfloat16)
@@ -79,21 +83,28 @@ def test_the_same_numbers_on_every_call():
         assert all(torch.equal(a, b) for a, b in zip(_run(E.grouped_experts, module, case, torch.bfloat16), first))
 
 
-def test_no_index_put_in_the_backward_but_the_biases(monkeypatch):
-    """The token rows, the routing weights and the un-sort differentiate by gathers: ``index_put_`` (the scatter
-    behind ``tensor[index]``'s backward) runs only for the two bias gradients off the CPU, and never on it."""
+def _index_puts(fn) -> int:
     from torch.profiler import profile
 
     config, module = _experts("gpt_oss_tiny")
     case = _case(config, module, 2)
     with profile() as prof:
-        _run(E.grouped_experts, module, case, torch.float32)
-    names = {e.key for e in prof.key_averages()}
-    assert "aten::index_put_" not in names and "aten::_index_put_impl_" not in names
-    assert {"RowGatherBackward", "BiasGatherBackward"} <= names
-    with profile() as prof:
-        _run(moe.grouped_mm_experts_forward, module, case, torch.float32)
-    assert "aten::_index_put_impl_" in {e.key for e in prof.key_averages()}  # what the test would have caught
+        _run(fn, module, case, torch.float32)
+    counts = {e.key: e.count for e in prof.key_averages()}
+    if fn is E.grouped_experts:
+        assert counts.get("RowGatherBackward") == 3 and counts.get("BiasGatherBackward") == 2
+    return counts.get("aten::_index_put_impl_", 0)
+
+
+def test_index_put_only_for_the_two_biases_and_not_under_deterministic_algorithms(deterministic):
+    """The token rows, the routing weights and the un-sort differentiate by gathers; ``index_put_`` (the scatter
+    behind ``tensor[index]``'s backward, five of them in transformers' path) runs for the two bias gradients only,
+    and only when deterministic algorithms are off (``index_add_`` is deterministic when they are on)."""
+    assert _index_puts(E.grouped_experts) == 0
+    # what the test would have caught: transformers' five backward scatters and its forward's inverse permutation
+    assert _index_puts(moe.grouped_mm_experts_forward) == 6
+    torch.use_deterministic_algorithms(False)
+    assert _index_puts(E.grouped_experts) == 2
 
 
 def test_without_grad_the_plain_gathers_run():

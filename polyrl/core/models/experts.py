@@ -117,8 +117,9 @@ def _gathers():
 
     class BiasGather(torch.autograd.Function):
         """``bias.index_select(0, expert_ids)``, one row per (token, expert) pair. Backward: each expert's rows
-        summed in a float32 (or wider) buffer, deterministically — ``index_add_`` on the CPU (a serial loop),
-        ``index_put_(accumulate=True)`` elsewhere (sorted, no atomics: CUDA's ``index_add_`` would race)."""
+        summed in a float32 (or wider) buffer, deterministically on every device: ``index_add_`` when torch's
+        deterministic algorithms are on (polyrl's CPU runs: a serial loop on the CPU, sorted on CUDA), else
+        ``index_put_(accumulate=True)`` (sorted on CUDA, where ``index_add_`` would race with atomics)."""
 
         @staticmethod
         def forward(ctx, bias, expert_ids):
@@ -130,7 +131,7 @@ def _gathers():
         def backward(ctx, grad):
             (expert_ids,) = ctx.saved_tensors
             acc = grad.new_zeros(ctx.bias_shape, dtype=torch.promote_types(ctx.bias_dtype, torch.float32))
-            if grad.device.type == "cpu":
+            if torch.are_deterministic_algorithms_enabled():
                 acc.index_add_(0, expert_ids, grad.to(acc.dtype))
             else:
                 acc.index_put_((expert_ids,), grad.to(acc.dtype), accumulate=True)
@@ -199,10 +200,10 @@ def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     rows = _gather_rows(hidden_states, perm // k, inv_perm, k)  # pair j of token t is row inv_perm[t * k + j]
     weights_g = _gather_rows(top_k_weights.reshape(-1), perm, inv_perm)
 
-    # histc, not bincount (device graphs); deterministic CPU histc takes floats, CUDA's ints (as transformers does)
-    counts_in = expert_ids_g.float() if hidden_states.device.type in ("cpu", "mps") else expert_ids_g.int()
-    counts = torch.histc(counts_in, bins=module.num_experts, min=0, max=module.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # Each expert's end row in the sorted pairs: transformers' cumsum of a histc, exactly (integers), without its
+    # per-device histc dtype; no host read, so a device graph can capture it.
+    bounds = torch.arange(1, module.num_experts + 1, device=expert_ids_g.device, dtype=expert_ids_g.dtype)
+    offsets = torch.searchsorted(expert_ids_g, bounds, out_int32=True)
 
     first = module.gate_up_proj if module.has_gate else module.up_proj
     first_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
