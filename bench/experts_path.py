@@ -4,7 +4,8 @@
 Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
 random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +
 backward of a sum of the last hidden states (the experts dominate; attention is the same in both). Prints the
-median step and peak memory of each and the ratio; writes JSON. Expert parallelism with ``ep=1`` is this path.
+median step and peak memory of each, the ratio, and how far the two agree (output and every gradient of the last
+step, relative norm); writes JSON. Expert parallelism with ``ep=1`` is this path.
 
     python bench/experts_path.py [--backend cuda] [--preset gpt_oss_20b] [--tokens 4096] [--steps 10] [--out bench/results/experts_path.json]
 """
@@ -36,6 +37,7 @@ def main() -> int:
     device = backend.device(0)
     dtype = torch.bfloat16 if backend.is_accelerator else torch.float32
     rows = {}
+    kept = {}  # impl -> the last step's output and gradients (CPU float32), compared after both ran
     for impl in ("polyrl", "grouped_mm"):
         model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=impl, dtype=dtype,
                             overrides={"num_hidden_layers": 2}, seed=0, backend=backend).to(device)
@@ -53,6 +55,9 @@ def main() -> int:
             out.float().sum().backward()
             sync()
             times.append(time.perf_counter() - t0)
+            if len(times) == args.steps + 2:
+                kept[impl] = [out.detach().float().cpu()] + [
+                    p.grad.float().cpu() for n, p in sorted(model.named_parameters()) if p.grad is not None]
             model.zero_grad(set_to_none=True)
         peak = getattr(torch, device.type).max_memory_allocated() / 2**30 if device.type != "cpu" else float("nan")
         rows[impl] = {"median_ms": statistics.median(times[2:]) * 1e3, "peak_gib": peak}
@@ -62,10 +67,18 @@ def main() -> int:
             getattr(torch, device.type).empty_cache()
     ratio = rows["polyrl"]["median_ms"] / rows["grouped_mm"]["median_ms"]
     print(f"polyrl / transformers grouped_mm: {ratio:.3f}")
+    # Same weights, same input: the outputs must agree to the dtype's rounding (the forward is the same bit for bit;
+    # with top-4 routing an input gradient sums a token's rows in another order).
+    a, b = kept["polyrl"], kept["grouped_mm"]
+    errs = [float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b)] if len(a) == len(b) else []
+    agree = {"output_rel": errs[0] if errs else None, "worst_grad_rel": max(errs[1:]) if len(errs) > 1 else None,
+             "tensors": len(errs)}
+    print(f"polyrl against grouped_mm, same weights: output {agree['output_rel']:.2e}, worst of "
+          f"{len(errs) - 1} gradients {agree['worst_grad_rel']:.2e}" if errs else "outputs not comparable")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else device.type
     with open(args.out, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "device": name, "torch": torch.__version__,
-                   "tokens": args.tokens, "rows": rows, "ratio": ratio}, f, indent=1)
+                   "tokens": args.tokens, "rows": rows, "ratio": ratio, "agreement": agree}, f, indent=1)
     return 0
 
 
