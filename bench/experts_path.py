@@ -1,10 +1,11 @@
 """MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel) beside transformers' own default
-("grouped_mm"), same run, same weights.
+("grouped_mm"), same run, same weights; and a third row, polyrl's path with another bias gradient (a one-hot
+matmul instead of the sorted ``index_put_``), to choose between the two on a GPU.
 
 Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
 random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +
 backward of a sum of the last hidden states (the experts dominate; attention is the same in both). Prints the
-median step and peak memory of each, the ratio, and how far the two agree (output and every gradient of the last
+median step and peak memory of each, the ratio, and how far they agree (output and every gradient of the last
 step, relative norm); writes JSON. Expert parallelism with ``ep=1`` is this path.
 
     python bench/experts_path.py [--backend cuda] [--preset gpt_oss_20b] [--tokens 4096] [--steps 10] [--out bench/results/experts_path.json]
@@ -19,6 +20,30 @@ import statistics
 import time
 
 import torch
+
+
+def onehot_bias_gathers():
+    """polyrl's experts gathers with another bias gradient, for this benchmark only: each expert's bias gradient as
+    one matmul, one_hot(expert ids)^T @ grad in float32, instead of the sorted ``index_put_`` (deterministic too, no
+    sort; E x S x width multiply-adds). Row ``polyrl, one-hot bias grad``."""
+    from polyrl.core.models import experts as E
+
+    row_gather, _ = E._gathers()
+
+    class OneHotBias(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, bias, expert_ids):
+            ctx.save_for_backward(expert_ids)
+            ctx.experts, ctx.bias_dtype = bias.shape[0], bias.dtype
+            return bias.index_select(0, expert_ids)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (expert_ids,) = ctx.saved_tensors
+            onehot = torch.nn.functional.one_hot(expert_ids, ctx.experts).to(torch.float32)  # [S, E]
+            return (onehot.t() @ grad.float()).to(ctx.bias_dtype), None
+
+    return row_gather, OneHotBias
 
 
 def main() -> int:
@@ -36,11 +61,14 @@ def main() -> int:
     backend = set_active_backend(args.backend)
     device = backend.device(0)
     dtype = torch.bfloat16 if backend.is_accelerator else torch.float32
+    from polyrl.core.models import experts as E
+
     rows = {}
-    kept = {}  # impl -> the last step's output and gradients (CPU float32), compared after both ran
-    for impl in ("polyrl", "grouped_mm"):
-        model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=impl, dtype=dtype,
-                            overrides={"num_hidden_layers": 2}, seed=0, backend=backend).to(device)
+    kept = {}  # row -> the last step's output and gradients (CPU float32), compared after all ran
+    for impl in ("polyrl", "grouped_mm", "polyrl, one-hot bias grad"):
+        E._GATHERS = onehot_bias_gathers() if "one-hot" in impl else None  # None: polyrl's own, built on first use
+        model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=impl.split(",")[0],
+                            dtype=dtype, overrides={"num_hidden_layers": 2}, seed=0, backend=backend).to(device)
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
         pos = torch.arange(args.tokens, device=device)[None]
@@ -61,20 +89,25 @@ def main() -> int:
             model.zero_grad(set_to_none=True)
         peak = getattr(torch, device.type).max_memory_allocated() / 2**30 if device.type != "cpu" else float("nan")
         rows[impl] = {"median_ms": statistics.median(times[2:]) * 1e3, "peak_gib": peak}
-        print(f"{impl:>11}: {rows[impl]['median_ms']:.2f} ms / step, peak {peak:.2f} GiB", flush=True)
+        print(f"{impl:>26}: {rows[impl]['median_ms']:.2f} ms / step, peak {peak:.2f} GiB", flush=True)
         del model
         if device.type != "cpu":
             getattr(torch, device.type).empty_cache()
+    E._GATHERS = None
     ratio = rows["polyrl"]["median_ms"] / rows["grouped_mm"]["median_ms"]
     print(f"polyrl / transformers grouped_mm: {ratio:.3f}")
+    print(f"polyrl with one-hot bias grads / transformers grouped_mm: "
+          f"{rows['polyrl, one-hot bias grad']['median_ms'] / rows['grouped_mm']['median_ms']:.3f}")
     # Same weights, same input: the outputs must agree to the dtype's rounding (the forward is the same bit for bit;
     # with top-4 routing an input gradient sums a token's rows in another order).
-    a, b = kept["polyrl"], kept["grouped_mm"]
-    errs = [float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b)] if len(a) == len(b) else []
-    agree = {"output_rel": errs[0] if errs else None, "worst_grad_rel": max(errs[1:]) if len(errs) > 1 else None,
-             "tensors": len(errs)}
-    print(f"polyrl against grouped_mm, same weights: output {agree['output_rel']:.2e}, worst of "
-          f"{len(errs) - 1} gradients {agree['worst_grad_rel']:.2e}" if errs else "outputs not comparable")
+    agree = {}
+    for impl in ("polyrl", "polyrl, one-hot bias grad"):
+        a, b = kept[impl], kept["grouped_mm"]
+        errs = [float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b)] if len(a) == len(b) else []
+        agree[impl] = {"output_rel": errs[0] if errs else None, "tensors": len(errs),
+                       "worst_grad_rel": max(errs[1:]) if len(errs) > 1 else None}
+        print(f"{impl} against grouped_mm, same weights: output {errs[0]:.2e}, worst of {len(errs) - 1} gradients "
+              f"{max(errs[1:]):.2e}" if len(errs) > 1 else f"{impl}: outputs not comparable")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else device.type
     with open(args.out, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "device": name, "torch": torch.__version__,
