@@ -154,15 +154,27 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep = None
     if args.sweep:
-        with open(args.sweep) as f:
-            sweep = json.load(f)
+        try:
+            with open(args.sweep) as f:
+                sweep = json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"kernel_resources: --sweep {args.sweep}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
     wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in wanted if k not in CANDIDATES]
     if unknown:
         print(f"kernel_resources: unknown kernel(s) {', '.join(unknown)}; known: {', '.join(CANDIDATES)}",
               file=sys.stderr)
         return 2
-    windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
+    try:
+        windows = [None if w.strip() == "none" else int(w) for w in args.windows.split(",")]
+    except ValueError:
+        print(f"kernel_resources: --windows {args.windows!r}: expected 'none' and/or window sizes, comma-separated",
+              file=sys.stderr)
+        return 2
+    if any(w is not None and w < 1 for w in windows):
+        print(f"kernel_resources: --windows {args.windows!r}: a window is at least 1 key", file=sys.stderr)
+        return 2
     print(f"triton {triton.__version__}, target sm_{args.capability}, GPT-OSS heads {H_Q}/{H_KV}, d {HEAD_DIM}, bf16")
     header = (f"{'kernel':5s} {'window':>6s} {'config (M, N, warps, stages)':>29s} {'regs':>5s} {'stack B':>8s} "
               f"{'shared KiB':>10s} {'HGMMA':>6s} {'TMA':>4s} {'cp.async':>8s} {'LDL/STL':>8s}  measured ms")

@@ -46,6 +46,9 @@ def test_hopper_code_uses_wgmma_and_ampere_code_does_not(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (("--kernels", "bwd"), "unknown kernel(s) bwd"),
+    (("--windows", "wide"), "--windows 'wide'"),
+    (("--windows", "0"), "a window is at least 1 key"),
+    (("--sweep", "/nonexistent/sweep.json"), "--sweep /nonexistent/sweep.json: FileNotFoundError"),
 ])
 def test_bad_arguments_exit_2(tmp_path, args, message):
     proc, _ = _run(tmp_path, *args)
