@@ -194,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:5s} {window!s:>6s} {cfg!s:>29s} {r['registers']:5d} {r['stack_bytes']:8d} "
                       f"{r['shared_bytes'] / 1024:10.1f} {r['HGMMA']:6d} {r['UTMALDG']:4d} {r['LDGSTS']:8d} "
                       f"{r['LDL'] + r['STL']:8d}  {' / '.join(f'{x:.3f}' for x in ms)}", flush=True)
+    for case in (sweep or {}).get("results", []):  # the peer, from the same GPU run as the measured ms
+        ours, fa4 = case.get("default_fwd_bwd_kernels_ms"), case.get("fa4_fwd_bwd_ms")
+        if ours and fa4:
+            print(f"sweep {case['layout']} window {case['window']}: polyrl kernels fwd+bwd {ours:.3f} ms, FA4 "
+                  f"{fa4:.3f} ms, ratio {ours / fa4:.2f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"triton": triton.__version__, "capability": args.capability,

@@ -30,7 +30,8 @@ def _run(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None
 def test_hopper_code_uses_wgmma_and_ampere_code_does_not(tmp_path):
     sweep = tmp_path / "sweep.json"  # an attention_sweep.py JSON, shape as that script writes it
     sweep.write_text(json.dumps({"results": [{"layout": "4x4096", "window": None, "kernels": {"dkdv": {"rows": [
-        {"config": "M64 N64 w4 s2", "ms": 4.03}, {"config": "M64 N64 w4 s3", "ms": 4.18}]}}}]}))
+        {"config": "M64 N64 w4 s2", "ms": 4.03}, {"config": "M64 N64 w4 s3", "ms": 4.18}]}},
+        "default_fwd_bwd_kernels_ms": 7.59, "fa4_fwd_bwd_ms": 4.83}]}))
     proc, hopper = _run(tmp_path, "--kernels", "dkdv", "--configs", "1", "--sweep", str(sweep))
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = hopper["rows"]
@@ -41,7 +42,8 @@ def test_hopper_code_uses_wgmma_and_ampere_code_does_not(tmp_path):
     proc, ampere = _run(tmp_path, "--kernels", "dkdv", "--configs", "1", "--capability", "80")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert ampere["rows"][0]["HGMMA"] == 0 and ampere["capability"] == 80
-    assert "4.030" in _run(tmp_path, "--kernels", "dkdv", "--configs", "1", "--sweep", str(sweep))[0].stdout
+    out = _run(tmp_path, "--kernels", "dkdv", "--configs", "1", "--sweep", str(sweep))[0].stdout
+    assert "4.030" in out and "FA4 4.830 ms, ratio 1.57" in out  # ours beside the peer of the same GPU run
 
 
 @pytest.mark.parametrize("args, message", [
