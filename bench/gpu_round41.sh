@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Issue 40, after grouped_experts (the reference experts kernel whose gathers do not scatter in the backward): two
-# device calls, no peers needed, on the machine the quick check left warm:
+# Issue 40, after grouped_experts (the reference experts kernel whose gathers do not scatter in the backward): device
+# calls on the machine the quick check left warm (the first two need no peers):
 #   bash bench/gpu_round41.sh experts    # about 3 minutes
 #   bash bench/gpu_round41.sh recipes    # about 6 minutes
+#   bash bench/gpu_round41.sh peers      # about 6 minutes, after the peers' stash call (below)
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
 #      path beside transformers' grouped_mm path and beside polyrl's with a one-hot-matmul bias gradient, same run,
@@ -14,9 +15,18 @@
 # recipes:
 #   3. bench/recipe_tiny.py, both tiny recipes, seeds 0-4, one run at a time: walls against the 30 s / 45 s goals and
 #      the last-10 rewards (>= 0.9).
+# peers (FA4 and the other peers carried in: `bash bench/gpu_peers.sh download` here first, then one call carrying
+# .whl_big/cu12.part.aa and .whl_b2 runs `bash bench/gpu_peers.sh stash`, and within 30 s this part, carrying
+# .whl_big/cu12.part.ab and .whl; about 6 minutes):
+#   4. bench/attention_mla.py: DeepSeek-V3's layout (128 heads, head dims 192 / 128, causal, no sinks), polyrl's
+#      Triton kernel beside FA4 (polyrl's wrapper and direct): its Measurement line, if FA4 is faster, goes into
+#      polyrl.backends.cuda.attention_choice.MEASURED so the cuda backend runs FA4 there;
+#   5. bench/model_step.py: the real-width step (2 GPT-OSS layers, 128 experts, 16k tokens) beside transformers + FA4
+#      with its labels= loss, after grouped_experts (1.008x the time, 0.497x the memory on c178864).
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
 set -uo pipefail
 PART=${1:-experts}
+case "$PART" in experts|recipes|peers) ;; *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers"; exit 2;; esac
 OUT=${OUT:-gpu_round41_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$PART" = experts ]; then
@@ -32,6 +42,11 @@ elif [ "$PART" = recipes ]; then
   timeout 540 python3 bench/recipe_tiny.py --backend cuda --recipes gpt_oss_dapo_tiny deepseek_ppo_tiny \
     --seeds 0 1 2 3 4 --jobs 1 --out "$OUT/recipe_tiny.json" > "$OUT/recipe_tiny.log" 2>&1
   echo "recipes rc=$?"; grep -E "^(gpt_oss|deepseek)" "$OUT/recipe_tiny.log" | tail -12
-else
-  echo "usage: bash bench/gpu_round41.sh experts|recipes"; exit 2
+elif [ "$PART" = peers ]; then
+  bash bench/gpu_peers.sh > "$OUT/peers.log" 2>&1; echo "peers rc=$?"; tail -3 "$OUT/peers.log"
+  . /tmp/site/peers_env.sh
+  timeout 200 python3 bench/attention_mla.py --out "$OUT/attention_mla.json" > "$OUT/attention_mla.log" 2>&1
+  echo "attention_mla rc=$?"; tail -14 "$OUT/attention_mla.log"
+  timeout 300 python3 bench/model_step.py --out "$OUT/model_step.json" > "$OUT/model_step.log" 2>&1
+  echo "model_step rc=$?"; tail -24 "$OUT/model_step.log"
 fi
