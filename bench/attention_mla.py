@@ -23,8 +23,6 @@ dv). Ours beside each FA4 figure of the same run, and the ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
 import sys
@@ -188,19 +186,6 @@ def comparison(rows: list[dict]) -> list[str]:
     return lines
 
 
-def versions() -> dict:
-    import torch
-
-    out = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    for dist in ("triton", "flash-attn-4", "nvidia-cutlass-dsl", "polyrl"):
-        try:
-            out[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="4x4096,1x16384")
@@ -241,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"accuracy vs fp32 (1x1024) {name:16s} " + ", ".join(f"{k} {v:.1e}" for k, v in err.items()))
     lines = comparison(rows)
     print("\n".join(lines))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from attention import versions  # GPU, torch / triton / transformers and the peers' versions, as attention.py
+
     result = {"versions": versions(), "shape": {"heads": args.heads, "D": D, "Dv": DV, "dtype": "bfloat16",
                                                 "sinks": False, "causal": True},
               "rows": rows, "accuracy_vs_fp32": errors, "comparison": lines, "wall_s": round(time.time() - t0, 1)}

@@ -33,6 +33,12 @@ CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
 H_Q, H_KV, HEAD_DIM = 64, 8, 64
 
 
+def config_label(cfg: tuple[int, int, int, int], heavy_first: bool = False) -> str:
+    """How a candidate is named in the printed table and the JSON: ``M128 N64 w4 s3`` (+ `` heavy-first``)."""
+    m, n, w, s = cfg
+    return f"M{m} N{n} w{w} s{s}" + (" heavy-first" if heavy_first else "")
+
+
 def _case(layout: str, window: int | None, device: str = "cuda", dtype=None):
     import torch
 
@@ -123,7 +129,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
         ref = None
         rows = []
         for cfg, heavy in variants:
-            label = f"M{cfg[0]} N{cfg[1]} w{cfg[2]} s{cfg[3]}" + (" heavy-first" if heavy else "")
+            label = config_label(cfg, heavy)
             try:
                 go, outs = run(kernel, cfg, heavy)
                 go()

@@ -27,8 +27,9 @@ import sys
 import tempfile
 import time
 
-# shapes of the GPT-OSS attention layers (bench/attention_sweep.py)
-H_Q, H_KV, HEAD_DIM = 64, 8, 64
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention_sweep import CANDIDATES, H_KV, H_Q, HEAD_DIM, config_label
+
 SASS_OPS = ("HGMMA", "UTMALDG", "LDGSTS", "LDL", "STL", "MUFU.EX2")
 
 
@@ -87,14 +88,13 @@ def resources(compiled) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         path = f.name
-    try:
-        usage = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True, check=True).stdout
+    try:  # one pass: the resource line and the SASS listing
+        dump = subprocess.run([_tool("cuobjdump"), "-res-usage", "-sass", path], capture_output=True, text=True,
+                              check=True).stdout
     finally:
         os.unlink(path)
-    field = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", usage))
-    instr = [line for line in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
+    field = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", dump))
+    instr = [line for line in dump.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line)]
     row = {"registers": int(field.get("REG", 0)), "stack_bytes": int(field.get("STACK", 0)),
            "local_bytes": int(field.get("LOCAL", 0)), "shared_bytes": int(compiled.metadata.shared),
            "instructions": len(instr)}
@@ -127,8 +127,7 @@ def measured(sweep: dict | None, kernel: str, window: int | None, cfg: tuple) ->
     out: the resources are those of the same code)."""
     if not sweep:
         return []
-    m, n, w, s = cfg
-    label = f"M{m} N{n} w{w} s{s}"
+    label = config_label(cfg)
     return [row["ms"] for case in sweep.get("results", []) if case.get("window") == window
             for row in case.get("kernels", {}).get(kernel, {}).get("rows", []) if row.get("config") == label]
 
@@ -148,9 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_resources: unset TRITON_INTERPRET (the interpreter compiles nothing)", file=sys.stderr)
         return 2
     import triton
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from attention_sweep import CANDIDATES
 
     sweep = None
     if args.sweep:

@@ -5,8 +5,7 @@ backward passes are bitwise equal, and the gathers' backward launches no ``index
 
 from __future__ import annotations
 
-import copy
-
+import experts_cases
 import pytest
 import torch
 
@@ -17,33 +16,11 @@ pytestmark = [
 
 
 def _experts(preset: str):
-    from polyrl.core.models import build_model
-    from polyrl.core.plugins import list_backends
-
-    model = build_model(preset, vocab_size=32, seed=0, backend=list_backends()["cpu"])
-    module = next(m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "num_experts"))
-    return model.config, module.cuda()
+    return experts_cases.experts(preset, "cuda")
 
 
-def _case(config, module, k: int, tokens: int, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, config.hidden_size, generator=gen)
-    top_k_index = torch.rand(tokens, module.num_experts, generator=gen).topk(k, dim=-1).indices
-    top_k_weights = torch.rand(tokens, k, generator=gen).softmax(-1)
-    d_out = torch.randn(tokens, config.hidden_size, generator=gen)
-    return [x.cuda() for x in (hidden, top_k_index, top_k_weights, d_out)]
-
-
-def _run(fn, module, case, dtype):
-    """Output, d hidden, d routing weights and every parameter's gradient."""
-    hidden, top_k_index, top_k_weights, d_out = case
-    module = copy.deepcopy(module).to(dtype)
-    h = hidden.detach().to(dtype).clone().requires_grad_()
-    w = top_k_weights.detach().to(dtype).clone().requires_grad_()
-    out = fn(module, h, top_k_index, w)
-    out.backward(d_out.to(dtype))
-    torch.cuda.synchronize()
-    return [out.detach(), h.grad, w.grad, *(p.grad for p in module.parameters())]
+def _case(config, module, k: int, tokens: int):
+    return experts_cases.case(config, module, k, tokens, device="cuda")
 
 
 @pytest.mark.parametrize("preset", ["gpt_oss_tiny", "deepseek_v3_tiny"])
@@ -55,10 +32,10 @@ def test_gpu_forward_is_transformers_bit_for_bit_and_gradients_as_close_to_float
 
     config, module = _experts(preset)
     case = _case(config, module, k, tokens=300)
-    exact = _run(moe.batched_mm_experts_forward, module, case, torch.float64)
+    exact = experts_cases.run(moe.batched_mm_experts_forward, module, case, torch.float64)
     for dtype in (torch.float32, torch.bfloat16):
-        ours = _run(E.grouped_experts, module, case, dtype)
-        theirs = _run(moe.grouped_mm_experts_forward, module, case, dtype)
+        ours = experts_cases.run(E.grouped_experts, module, case, dtype)
+        theirs = experts_cases.run(moe.grouped_mm_experts_forward, module, case, dtype)
         assert torch.equal(ours[0], theirs[0]), (dtype, (ours[0] - theirs[0]).abs().max().item())
         for i, (a, b, want) in enumerate(zip(ours, theirs, exact)):
             ours_err = ((a.double() - want).norm() / want.norm()).item()
@@ -73,9 +50,9 @@ def test_gpu_backward_is_bitwise_reproducible():
 
     config, module = _experts("gpt_oss_tiny")
     case = _case(config, module, 4, tokens=2048)
-    first = _run(E.grouped_experts, module, case, torch.bfloat16)
+    first = experts_cases.run(E.grouped_experts, module, case, torch.bfloat16)
     for _ in range(3):
-        again = _run(E.grouped_experts, module, case, torch.bfloat16)
+        again = experts_cases.run(E.grouped_experts, module, case, torch.bfloat16)
         assert all(torch.equal(a, b) for a, b in zip(again, first))
 
 
@@ -93,7 +70,7 @@ def test_gpu_gathers_backward_launches_no_indexing_backward_kernel():
 
     def kernels(fn) -> dict[str, int]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            _run(fn, module, case, torch.bfloat16)
+            experts_cases.run(fn, module, case, torch.bfloat16)
         return {e.key: e.count for e in prof.key_averages()}
 
     def scatters(counts: dict[str, int]) -> int:

@@ -8,11 +8,12 @@ import copy
 
 import pytest
 import torch
+from experts_cases import case as _case
+from experts_cases import experts as _experts
+from experts_cases import run as _run
 from transformers.integrations import moe
 
-from polyrl.core.models import build_model
 from polyrl.core.models import experts as E
-from polyrl.core.plugins import list_backends
 
 
 @pytest.fixture
@@ -22,31 +23,6 @@ def deterministic():
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
-def _experts(preset: str):
-    model = build_model(preset, vocab_size=32, seed=0, backend=list_backends()["cpu"])
-    return model.config, next(m for m in model.modules() if hasattr(m, "down_proj") and hasattr(m, "num_experts"))
-
-
-def _case(config, module, k: int, tokens: int = 37, seed: int = 1):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, config.hidden_size, generator=gen)
-    top_k_index = torch.rand(tokens, module.num_experts, generator=gen).topk(k, dim=-1).indices
-    top_k_weights = torch.rand(tokens, k, generator=gen).softmax(-1)
-    d_out = torch.randn(tokens, config.hidden_size, generator=gen)
-    return hidden, top_k_index, top_k_weights, d_out
-
-
-def _run(fn, module, case, dtype):
-    """Output, d hidden, d routing weights and every parameter's gradient."""
-    hidden, top_k_index, top_k_weights, d_out = case
-    module = copy.deepcopy(module).to(dtype)
-    h = hidden.detach().to(dtype).clone().requires_grad_()
-    w = top_k_weights.detach().to(dtype).clone().requires_grad_()
-    out = fn(module, h, top_k_index, w)
-    out.backward(d_out.to(dtype))
-    return [out.detach(), h.grad, w.grad, *(p.grad for p in module.parameters())]
 
 
 @pytest.mark.parametrize("preset", ["gpt_oss_tiny", "deepseek_v3_tiny"])
