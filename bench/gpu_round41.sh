@@ -4,6 +4,7 @@
 #   bash bench/gpu_round41.sh experts    # about 3 minutes
 #   bash bench/gpu_round41.sh recipes    # about 6 minutes
 #   bash bench/gpu_round41.sh peers      # about 6 minutes, after the peers' stash call (below)
+#   bash bench/gpu_round41.sh startup    # about 2.5 minutes, carrying .whl_spy (below)
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
 #      path beside transformers' grouped_mm path and beside polyrl's with a one-hot-matmul bias gradient, same run,
@@ -23,10 +24,16 @@
 #      polyrl.backends.cuda.attention_choice.MEASURED so the cuda backend runs FA4 there;
 #   5. bench/model_step.py: the real-width step (2 GPT-OSS layers, 128 experts, 16k tokens) beside transformers + FA4
 #      with its labels= loss, after grouped_experts (1.008x the time, 0.497x the memory on c178864).
+# startup (the py-spy wheel carried in .whl_spy, fetched here with `python3 -m pip download --no-deps --only-binary=:all:
+# --platform manylinux1_x86_64 -d .whl_spy py-spy==0.4.3`):
+#   6. the tiny DAPO recipe, seed 0, recorded whole by py-spy (--idle, 100 Hz), on a machine that has not run it yet
+#      (cold: Triton compiles) and again (warm), each split by bench/spy_split.py into interpreter start and imports,
+#      the CLI, the build (by callee), the steps, checkpoints and exit. On c178864 about 20 s of the 29.8 s wall was
+#      outside the steps against about 6 s on 2 CPU cores: which part grows on the GPU?
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
 set -uo pipefail
 PART=${1:-experts}
-case "$PART" in experts|recipes|peers) ;; *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers"; exit 2;; esac
+case "$PART" in experts|recipes|peers|startup) ;; *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers|startup"; exit 2;; esac
 OUT=${OUT:-gpu_round41_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$PART" = experts ]; then
@@ -49,4 +56,14 @@ elif [ "$PART" = peers ]; then
   echo "attention_mla rc=$?"; tail -14 "$OUT/attention_mla.log"
   timeout 300 python3 bench/model_step.py --out "$OUT/model_step.json" > "$OUT/model_step.log" 2>&1
   echo "model_step rc=$?"; tail -24 "$OUT/model_step.log"
+elif [ "$PART" = startup ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl_spy/*.whl || exit 1
+  for t in cold warm; do
+    rm -rf "/tmp/startup_$t"; S=$SECONDS
+    timeout 90 /tmp/spy/bin/py-spy record --idle -r 100 -f raw -o "$OUT/spy_$t.txt" -- python3 -m polyrl run \
+      recipes/gpt_oss_dapo_tiny.yaml --seed 0 --backend cuda --output "/tmp/startup_$t" --no-progress \
+      > "$OUT/run_$t.log" 2>&1
+    echo "$t: rc=$? wall $((SECONDS - S)) s"; cp "/tmp/startup_$t/metrics.jsonl" "$OUT/metrics_$t.jsonl" 2>/dev/null
+    python3 bench/spy_split.py "$OUT/spy_$t.txt" --out "$OUT/spy_split_$t.json"
+  done
 fi
