@@ -5,6 +5,7 @@
 #   bash bench/gpu_round41.sh recipes    # about 6 minutes
 #   bash bench/gpu_round41.sh peers      # about 6 minutes, after the peers' stash call (below)
 #   bash bench/gpu_round41.sh startup    # about 2.5 minutes, carrying .whl_spy (below)
+#   bash bench/gpu_round41.sh sweep      # a few minutes: the launch-config sweep, FA4 beside it if the peers part ran
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
 #      path beside transformers' grouped_mm path and beside polyrl's with a one-hot-matmul bias gradient, same run,
@@ -30,10 +31,13 @@
 #      (cold: Triton compiles) and again (warm), each split by bench/spy_split.py into interpreter start and imports,
 #      the CLI, the build (by callee), the steps, checkpoints and exit. On c178864 about 20 s of the 29.8 s wall was
 #      outside the steps against about 6 s on 2 CPU cores: which part grows on the GPU?
+# sweep:
+#   7. bench/attention_sweep.py at 4x4096 and 1x16384 (causal): every candidate of the three Triton kernels, among
+#      them three 128-key dK/dV configs that compile without spills (docs/performance.md, "the compiled code").
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
 set -uo pipefail
 PART=${1:-experts}
-case "$PART" in experts|recipes|peers|startup) ;; *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers|startup"; exit 2;; esac
+case "$PART" in experts|recipes|peers|startup|sweep) ;; *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers|startup|sweep"; exit 2;; esac
 OUT=${OUT:-gpu_round41_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$PART" = experts ]; then
@@ -66,4 +70,8 @@ elif [ "$PART" = startup ]; then
     echo "$t: rc=$? wall $((SECONDS - S)) s"; cp "/tmp/startup_$t/metrics.jsonl" "$OUT/metrics_$t.jsonl" 2>/dev/null
     python3 bench/spy_split.py "$OUT/spy_$t.txt" --out "$OUT/spy_split_$t.json"
   done
+elif [ "$PART" = sweep ]; then
+  if [ -f /tmp/site/peers_env.sh ]; then . /tmp/site/peers_env.sh; fi
+  timeout 420 python3 bench/attention_sweep.py --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
+  echo "attention_sweep rc=$?"; grep -E "dkdv|kernels fwd\+bwd" "$OUT/attention_sweep.log" | tail -34
 fi
