@@ -23,6 +23,7 @@ dv). Ours beside each FA4 figure of the same run, and the ratio.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -30,6 +31,10 @@ import time
 
 D, DV = 192, 128
 IMPLS = ("polyrl", "polyrl-selected", "fa4", "fa4-direct")
+# polyrl's varlen attention entry points, all called as fn(q, k, v, cu, scale=, window=, sinks=)
+POLYRL_FNS = {"polyrl": ("polyrl.backends.cuda.attention", "triton_varlen_attention"),
+              "polyrl-selected": ("polyrl.backends.cuda.attention", "cuda_varlen_attention"),
+              "fa4": ("polyrl.backends.cuda.fa4", "fa4_varlen_attention")}
 
 
 def make_case(layout: str, heads: int, *, device: str = "cuda", dtype=None, d: int = D, dv: int = DV, seed: int = 0):
@@ -64,21 +69,10 @@ def parse_layout(layout: str) -> tuple[int, int]:
 
 def implementation(name: str, longest: int):
     """fn(q, k, v, cu) -> out for one implementation (module docstring)."""
-    if name == "polyrl":
-        from polyrl.backends.cuda.attention import triton_varlen_attention
-
-        return lambda q, k, v, cu: triton_varlen_attention(q, k, v, cu, scale=q.shape[-1] ** -0.5, window=None,
-                                                           sinks=None)
-    if name == "polyrl-selected":
-        from polyrl.backends.cuda.attention import cuda_varlen_attention
-
-        return lambda q, k, v, cu: cuda_varlen_attention(q, k, v, cu, scale=q.shape[-1] ** -0.5, window=None,
-                                                         sinks=None)
-    if name == "fa4":
-        from polyrl.backends.cuda.fa4 import fa4_varlen_attention
-
-        return lambda q, k, v, cu: fa4_varlen_attention(q, k, v, cu, scale=q.shape[-1] ** -0.5, window=None,
-                                                        sinks=None)
+    if name in POLYRL_FNS:
+        module, func = POLYRL_FNS[name]
+        fn = getattr(importlib.import_module(module), func)
+        return lambda q, k, v, cu: fn(q, k, v, cu, scale=q.shape[-1] ** -0.5, window=None, sinks=None)
     if name == "fa4-direct":
         from flash_attn.cute import flash_attn_varlen_func
 

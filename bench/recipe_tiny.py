@@ -59,8 +59,9 @@ def _summarise(recipe: str, seed: int, wall: float, rc: int, run_dir: Path, tail
     }
     # The wall outside the steps: start-up (imports, build, compiles), checkpoints and exit. What a faster step
     # cannot win back; the wall bars include it.
-    res["steps_s"] = round(sum(r["time/step_s"] for r in rows), 1) if rows else None
-    res["outside_steps_s"] = round(wall - res["steps_s"], 1) if rows else None
+    steps_s = sum(r["time/step_s"] for r in rows)
+    res["steps_s"] = round(steps_s, 1) if rows else None
+    res["outside_steps_s"] = round(wall - steps_s, 1) if rows else None
     rollout = sorted(r["time/rollout_s"] for r in rows if "time/rollout_s" in r)
     if rollout:
         res["median_rollout_s"] = rollout[len(rollout) // 2]

@@ -4,34 +4,20 @@ skipped row (never a figure), the Measurement line needs both kernels, and bad a
 
 from __future__ import annotations
 
-import importlib.util
-import time
-from pathlib import Path
-
 import pytest
 import torch
+from bench_scripts import load_bench, wall_ms
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU check")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "attention_mla.py"
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("attention_mla", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def _bench(fn, **_kw) -> float:
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
+    return load_bench("attention_mla")
 
 
 def test_the_triton_kernel_and_the_slot_run_and_fa4_absent_is_a_skipped_row():
     mod = _load()
-    rows = mod.measure("2x24", 2, list(mod.IMPLS), device="cpu", dtype=torch.float32, do_bench=_bench, d=24, dv=8)
+    rows = mod.measure("2x24", 2, list(mod.IMPLS), device="cpu", dtype=torch.float32, do_bench=wall_ms, d=24, dv=8)
     by = {r["impl"]: r for r in rows}
     assert by["polyrl"]["fwd_ms"] > 0 and by["polyrl"]["fwd_bwd_ms"] > 0 and by["polyrl"]["fwd_bwd_tflops"] > 0
     assert by["polyrl-selected"]["choice"].startswith("triton")  # fp32 on the CPU: never FA4

@@ -3,37 +3,24 @@ signature, each candidate's outputs are compared with the default's, and a wrong
 
 from __future__ import annotations
 
-import importlib.util
-import time
-from pathlib import Path
-
 import pytest
 import torch
+from bench_scripts import load_bench, wall_ms
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU check")
 
-SWEEP = Path(__file__).resolve().parents[2] / "bench" / "attention_sweep.py"
-
 
 def _load():
-    spec = importlib.util.spec_from_file_location("attention_sweep", SWEEP)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_bench("attention_sweep")
     mod.H_Q, mod.H_KV, mod.HEAD_DIM = 4, 2, 16
     return mod
-
-
-def _bench(fn, **_kw) -> float:
-    t = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t) * 1e3
 
 
 def test_sweep_runs_every_kernel_and_compares_with_the_default():
     mod = _load()
     cands = {"fwd": [(16, 16, 4, 1), (16, 32, 4, 1)], "dq": [(16, 16, 4, 1), (16, 32, 4, 1)],
              "dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)]}
-    r = mod.sweep_layout("2x24", None, device="cpu", dtype=torch.float32, do_bench=_bench, candidates=cands)
+    r = mod.sweep_layout("2x24", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands)
     for kernel in cands:
         rows = r["kernels"][kernel]["rows"]
         assert len(rows) == len(cands[kernel]) + (len(cands[kernel]) if kernel != "dkdv" else 0)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_scripts import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("recipe_tiny_bench", ROOT / "bench" / "recipe_tiny.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("recipe_tiny")
 
 
 def _run_dir(tmp_path: Path, rewards: list[float], step_s: float) -> Path:

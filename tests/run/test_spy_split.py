@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from bench_scripts import load_bench
+
 MAIN = "<module> (polyrl/__main__.py:5);main (polyrl/cli/__init__.py:54)"
 RUN = MAIN + ";main (polyrl/cli/run.py:102)"
 PROC = RUN + ";_run_process (polyrl/cli/run.py:151)"
@@ -14,10 +14,7 @@ TRAIN = PROC + ";Trainer.train (polyrl/core/trainer/loop.py:140)"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("spy_split_bench", ROOT / "bench" / "spy_split.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_bench("spy_split")
 
 
 def _write(tmp_path: Path, lines: list[str]) -> Path:
