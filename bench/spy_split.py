@@ -11,9 +11,8 @@ checkpoint and the exit are all counted, by the same clock:
 
 Record with ``--idle`` so that time the process spends waiting (a GPU sync, file I/O) is counted too; without it
 the phases add up to the busy time only. Each sample is put in the first phase, outermost first, whose marker
-frame it holds (PHASES); the build, the steps and the
-CLI's parts are also split by their direct callees (SPLIT). Prints seconds and
-shares; exit 2 on a file that is not py-spy's raw format.
+frame it holds (PHASES); the build, the steps and the CLI's parts are also split by their direct callees (SPLIT).
+Prints seconds and shares; exit 2 on a file that is not py-spy's raw format.
 """
 
 from __future__ import annotations
@@ -24,8 +23,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-# (phase, marker): a sample whose stack holds a frame whose function is ``marker`` in a file ending with the
-# marker's file belongs to the phase. Checked in this order; a sample matching none is "other".
+# (phase, function, file): a sample whose stack holds a frame of ``function`` in a file whose path ends with
+# ``file`` belongs to the phase. Checked in this order; a sample matching none is "other".
 PHASES: tuple[tuple[str, str, str], ...] = (
     ("trainer build", "Trainer.__init__", "polyrl/core/trainer/loop.py"),
     ("checkpoints", "Trainer.save", "polyrl/core/trainer/loop.py"),
@@ -78,7 +77,7 @@ def _holds(frames: list[tuple[str, str]], func: str, file: str) -> int | None:
 
 
 def split(stacks: list[tuple[list[tuple[str, str]], int]], rate: float) -> dict:
-    """Seconds per phase, and per direct callee of the build and of the steps."""
+    """Seconds per phase, and per direct callee of each phase in SPLIT."""
     phases: Counter[str] = Counter()
     callees: dict[str, Counter[str]] = {k: Counter() for k in SPLIT}
     for frames, count in stacks:

@@ -11,12 +11,8 @@ from bench_scripts import load_bench, wall_ms
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU check")
 
 
-def _load():
-    return load_bench("attention_mla")
-
-
 def test_the_triton_kernel_and_the_slot_run_and_fa4_absent_is_a_skipped_row():
-    mod = _load()
+    mod = load_bench("attention_mla")
     rows = mod.measure("2x24", 2, list(mod.IMPLS), device="cpu", dtype=torch.float32, do_bench=wall_ms, d=24, dv=8)
     by = {r["impl"]: r for r in rows}
     assert by["polyrl"]["fwd_ms"] > 0 and by["polyrl"]["fwd_bwd_ms"] > 0 and by["polyrl"]["fwd_bwd_tflops"] > 0
@@ -33,7 +29,7 @@ def test_the_triton_kernel_and_the_slot_run_and_fa4_absent_is_a_skipped_row():
 
 
 def test_the_comparison_prints_ours_beside_fa4_and_the_measurement_row():
-    mod = _load()
+    mod = load_bench("attention_mla")
     rows = [{"layout": "4x4096", "impl": "polyrl", "fwd_ms": 3.0, "fwd_bwd_ms": 12.0},
             {"layout": "4x4096", "impl": "fa4", "fwd_ms": 2.0, "fwd_bwd_ms": 8.0}]
     lines = mod.comparison(rows)
@@ -43,7 +39,7 @@ def test_the_comparison_prints_ours_beside_fa4_and_the_measurement_row():
 
 
 def test_useful_flop_counts_visible_pairs():
-    mod = _load()
+    mod = load_bench("attention_mla")
     # one document of 2 tokens, one head: 3 visible pairs; forward 2 x (192 + 128) FLOP a pair
     assert mod.useful_tflop("1x2", 1, False) * 1e12 == pytest.approx(3 * 2 * (192 + 128))
     assert mod.useful_tflop("1x2", 1, True) * 1e12 == pytest.approx(3 * (2 * 320 + 2 * 640))
@@ -56,5 +52,5 @@ def test_useful_flop_counts_visible_pairs():
     ([], "needs a CUDA GPU"),
 ])
 def test_bad_arguments_and_no_gpu_exit_2(args, message, capsys):
-    assert _load().main(args) == 2
+    assert load_bench("attention_mla").main(args) == 2
     assert message in capsys.readouterr().err

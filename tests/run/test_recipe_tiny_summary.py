@@ -8,10 +8,6 @@ from pathlib import Path
 from bench_scripts import load_bench
 
 
-def _bench():
-    return load_bench("recipe_tiny")
-
-
 def _run_dir(tmp_path: Path, rewards: list[float], step_s: float) -> Path:
     lines = [json.dumps({"reward/mean": r, "time/step_s": step_s}) for r in rewards]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
@@ -19,7 +15,7 @@ def _run_dir(tmp_path: Path, rewards: list[float], step_s: float) -> Path:
 
 
 def test_outside_steps_is_the_wall_less_the_steps(tmp_path):
-    bench = _bench()
+    bench = load_bench("recipe_tiny")
     rewards = [0.0] * 10 + [1.0] * 10
     res = bench._summarise("gpt_oss_dapo_tiny", 0, 31.0, 0, _run_dir(tmp_path, rewards, 0.75), "", backend="cuda")
     assert res["steps_s"] == 15.0 and res["outside_steps_s"] == 16.0
@@ -30,6 +26,6 @@ def test_outside_steps_is_the_wall_less_the_steps(tmp_path):
 
 
 def test_a_run_without_metrics_has_no_step_split(tmp_path):
-    res = _bench()._summarise("deepseek_ppo_tiny", 1, 5.0, 2, tmp_path, "boom", backend=None)
+    res = load_bench("recipe_tiny")._summarise("deepseek_ppo_tiny", 1, 5.0, 2, tmp_path, "boom", backend=None)
     assert res["steps"] == 0 and res["steps_s"] is None and res["outside_steps_s"] is None
     assert not res["meets_bar"] and res["tail"] == "boom"

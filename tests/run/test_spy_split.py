@@ -13,10 +13,6 @@ PROC = RUN + ";_run_process (polyrl/cli/run.py:151)"
 TRAIN = PROC + ";Trainer.train (polyrl/core/trainer/loop.py:140)"
 
 
-def _bench():
-    return load_bench("spy_split")
-
-
 def _write(tmp_path: Path, lines: list[str]) -> Path:
     path = tmp_path / "spy.txt"
     path.write_text("\n".join(lines) + "\n")
@@ -38,7 +34,7 @@ def test_samples_land_in_their_outermost_phase_and_the_build_splits_by_callee(tm
         " 10",  # no Python frame
     ]
     out = tmp_path / "split.json"
-    assert _bench().main([str(_write(tmp_path, lines)), "--rate", "10", "--out", str(out)]) == 0
+    assert load_bench("spy_split").main([str(_write(tmp_path, lines)), "--rate", "10", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["samples"] == 350 and res["seconds"] == 35.0
     assert res["phases"] == {"steps": 20.0, "trainer build": 5.0, "interpreter start and imports": 3.0,
@@ -50,7 +46,7 @@ def test_samples_land_in_their_outermost_phase_and_the_build_splits_by_callee(tm
 
 
 def test_a_file_that_is_not_py_spy_raw_exits_2_in_one_line(tmp_path, capsys):
-    bench = _bench()
+    bench = load_bench("spy_split")
     assert bench.main([str(_write(tmp_path, ["main (polyrl/cli/run.py:1) many"]))]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("spy_split: error:") and "is not a py-spy raw line" in err and "\n" not in err
