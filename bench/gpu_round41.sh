@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 40, after grouped_experts (the reference experts kernel whose gathers do not scatter in the backward): device
 # calls on the machine the quick check left warm (the first two need no peers):
-#   bash bench/gpu_round41.sh experts    # about 3 minutes
-#   bash bench/gpu_round41.sh recipes    # about 6 minutes
+#   bash bench/gpu_round41.sh experts    # 4.6 minutes on an H100 (6f6b711) with the experts bench cut at 240 s; up to 8 now
+#   bash bench/gpu_round41.sh recipes    # 5.5 minutes on an H100 (6f6b711)
 #   bash bench/gpu_round41.sh peers      # about 6 minutes, after the peers' stash call (below)
-#   bash bench/gpu_round41.sh startup    # about 2.5 minutes, carrying .whl_spy (below)
+#   bash bench/gpu_round41.sh startup    # 2 minutes on an H100 (6f6b711), carrying .whl_spy (below)
 #   bash bench/gpu_round41.sh sweep      # a few minutes: the launch-config sweep, FA4 beside it if the peers part ran
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
@@ -41,7 +41,7 @@ case "$PART" in experts|recipes|peers|startup|sweep) ;; *) echo "usage: bash ben
 OUT=${OUT:-gpu_round41_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$PART" = experts ]; then
-  timeout 240 python3 bench/experts_path.py --backend cuda --tokens 16384 --out "$OUT/experts_path_16384.json" \
+  timeout 420 python3 bench/experts_path.py --backend cuda --tokens 16384 --out "$OUT/experts_path_16384.json" \
     > "$OUT/experts_path_16384.log" 2>&1
   echo "experts_path rc=$?"; tail -7 "$OUT/experts_path_16384.log"
   timeout 150 python3 bench/profile_step.py polyrl/recipes/gpt_oss_dapo_tiny.yaml --backend cuda --steps 20 \
@@ -62,6 +62,8 @@ elif [ "$PART" = peers ]; then
   echo "model_step rc=$?"; tail -24 "$OUT/model_step.log"
 elif [ "$PART" = startup ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl_spy/*.whl || exit 1
+  # Is byte code cached here? (The GPU build's cProfile on 6f6b711 spent 3.3 s in compile() for 966 modules.)
+  python3 -c "import sys, sysconfig, os; p = sysconfig.get_paths()['purelib']; print('dont_write_bytecode', sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'), 'pycache_prefix', sys.pycache_prefix, p, 'writable', os.access(p, os.W_OK))" | tee "$OUT/bytecode.txt"
   for t in cold warm; do
     rm -rf "/tmp/startup_$t"; S=$SECONDS
     timeout 90 /tmp/spy/bin/py-spy record --idle -r 100 -f raw -o "$OUT/spy_$t.txt" -- python3 -m polyrl run \
@@ -70,6 +72,8 @@ elif [ "$PART" = startup ]; then
     echo "$t: rc=$? wall $((SECONDS - S)) s"; cp "/tmp/startup_$t/metrics.jsonl" "$OUT/metrics_$t.jsonl" 2>/dev/null
     python3 bench/spy_split.py "$OUT/spy_$t.txt" --out "$OUT/spy_split_$t.json"
   done
+  python3 -X importtime -c "import polyrl.core.trainer, polyrl.backends.cuda" 2> "$OUT/importtime.txt"
+  echo "imports by cumulative us:"; sort -t'|' -k2 -n -r "$OUT/importtime.txt" | head -25
 elif [ "$PART" = sweep ]; then
   if [ -f /tmp/site/peers_env.sh ]; then . /tmp/site/peers_env.sh; fi
   timeout 420 python3 bench/attention_sweep.py --out "$OUT/attention_sweep.json" > "$OUT/attention_sweep.log" 2>&1
