@@ -1,6 +1,7 @@
 """MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel) beside transformers' own default
-("grouped_mm"), same run, same weights; and a third row, polyrl's path with another bias gradient (a one-hot
-matmul instead of the sorted ``index_put_``), to choose between the two on a GPU.
+("grouped_mm"), same run, same weights; and two more rows, polyrl's path with another bias gradient (a one-hot
+matmul, or a segmented sum over the expert-sorted rows, instead of ``index_add_``, which CUDA runs as a sorted
+``index_put_``), to choose on a GPU.
 
 Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
 random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +
@@ -8,7 +9,8 @@ backward of a sum of the last hidden states (the experts dominate; attention is 
 median step and peak memory of each, the ratio, and how far they agree (output and every gradient of the last
 step, relative norm); writes JSON. Expert parallelism with ``ep=1`` is this path.
 
-    python bench/experts_path.py [--backend cuda] [--preset gpt_oss_20b] [--tokens 4096] [--steps 10] [--out bench/results/experts_path.json]
+    python bench/experts_path.py [--backend cuda] [--preset gpt_oss_20b] [--tokens 4096] [--steps 10]
+        [--rows polyrl grouped_mm onehot segment] [--out bench/results/experts_path.json]
 """
 
 from __future__ import annotations
@@ -46,14 +48,54 @@ def onehot_bias_gathers():
     return row_gather, OneHotBias
 
 
+def segment_bias_gathers():
+    """polyrl's experts gathers with another bias gradient, for this benchmark only: the rows arrive sorted by
+    expert (``grouped_experts``), so each expert's bias gradient is the sum of one contiguous run of rows,
+    ``torch.segment_reduce`` in float32 over the run bounds (one thread per (expert, column) adding its rows in
+    order on CUDA, the same order as the CPU's loop: deterministic, no sort, no atomics). Row ``polyrl, segment
+    bias grad``."""
+    from polyrl.core.models import experts as E
+
+    row_gather, _ = E._gathers()
+
+    class SegmentBias(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, bias, expert_ids):
+            ctx.save_for_backward(expert_ids)
+            ctx.experts, ctx.bias_dtype = bias.shape[0], bias.dtype
+            return bias.index_select(0, expert_ids)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (expert_ids,) = ctx.saved_tensors
+            bounds = torch.arange(ctx.experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
+            offsets = torch.searchsorted(expert_ids, bounds)  # expert e's rows: offsets[e] <= row < offsets[e + 1]
+            summed = torch.segment_reduce(grad.float(), "sum", offsets=offsets, axis=0, unsafe=True, initial=0.0)
+            return summed.to(ctx.bias_dtype), None
+
+    return row_gather, SegmentBias
+
+
+# --rows key -> (row label, the experts implementation it builds, the gathers it swaps in; None: polyrl's own)
+ROWS = {
+    "polyrl": ("polyrl", "polyrl", None),
+    "grouped_mm": ("grouped_mm", "grouped_mm", None),
+    "onehot": ("polyrl, one-hot bias grad", "polyrl", onehot_bias_gathers),
+    "segment": ("polyrl, segment bias grad", "polyrl", segment_bias_gathers),
+}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default=None)
     ap.add_argument("--preset", default="gpt_oss_20b", help="a gpt_oss preset (gpt_oss_tiny: a quick CPU try)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS),
+                    help="which rows (polyrl and grouped_mm always run: the ratios are against grouped_mm)")
     ap.add_argument("--out", default="bench/results/experts_path.json")
     args = ap.parse_args()
+    keys = ["polyrl", "grouped_mm", *(k for k in args.rows if k not in ("polyrl", "grouped_mm"))]
 
     from polyrl.core.models import build_model
     from polyrl.core.plugins.selection import set_active_backend
@@ -65,9 +107,10 @@ def main() -> int:
 
     rows = {}
     kept = {}  # row -> the last step's output and gradients (CPU float32), compared after all ran
-    for impl in ("polyrl", "grouped_mm", "polyrl, one-hot bias grad"):
-        E._GATHERS = onehot_bias_gathers() if "one-hot" in impl else None  # None: polyrl's own, built on first use
-        model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=impl.split(",")[0],
+    for key in keys:
+        impl, experts_impl, gathers = ROWS[key]
+        E._GATHERS = gathers() if gathers else None  # None: polyrl's own, built on first use
+        model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=experts_impl,
                             dtype=dtype, overrides={"num_hidden_layers": 2}, seed=0, backend=backend).to(device)
         vocab = model.config.vocab_size
         ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(0)).to(device)
@@ -95,19 +138,21 @@ def main() -> int:
             getattr(torch, device.type).empty_cache()
     E._GATHERS = None
     ratio = rows["polyrl"]["median_ms"] / rows["grouped_mm"]["median_ms"]
-    print(f"polyrl / transformers grouped_mm: {ratio:.3f}")
-    print(f"polyrl with one-hot bias grads / transformers grouped_mm: "
-          f"{rows['polyrl, one-hot bias grad']['median_ms'] / rows['grouped_mm']['median_ms']:.3f}")
+    for impl in rows:
+        if impl != "grouped_mm":
+            print(f"{impl} / transformers grouped_mm: {rows[impl]['median_ms'] / rows['grouped_mm']['median_ms']:.3f}")
     # Same weights, same input: the outputs must agree to the dtype's rounding (the forward is the same bit for bit;
     # with top-4 routing an input gradient sums a token's rows in another order).
     agree = {}
-    for impl in ("polyrl", "polyrl, one-hot bias grad"):
+    for impl in (i for i in rows if i != "grouped_mm"):
         a, b = kept[impl], kept["grouped_mm"]
         errs = [float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b)] if len(a) == len(b) else []
-        agree[impl] = {"output_rel": errs[0] if errs else None, "tensors": len(errs),
+        same = sum(torch.equal(x, y) for x, y in zip(a, kept["polyrl"])) if impl != "polyrl" else None
+        agree[impl] = {"output_rel": errs[0] if errs else None, "tensors": len(errs), "bitwise_equal_to_polyrl": same,
                        "worst_grad_rel": max(errs[1:]) if len(errs) > 1 else None}
         print(f"{impl} against grouped_mm, same weights: output {errs[0]:.2e}, worst of {len(errs) - 1} gradients "
-              f"{max(errs[1:]):.2e}" if len(errs) > 1 else f"{impl}: outputs not comparable")
+              f"{max(errs[1:]):.2e}" + ("" if same is None else f"; {same} of {len(a)} tensors equal to polyrl's")
+              if len(errs) > 1 else f"{impl}: outputs not comparable")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else device.type
     with open(args.out, "w") as f:
         json.dump({"date": datetime.date.today().isoformat(), "device": name, "torch": torch.__version__,
