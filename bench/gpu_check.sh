@@ -61,16 +61,7 @@ import platform, torch, triton, transformers
 print(f"gpu {torch.cuda.get_device_name(0)}; torch {torch.__version__}; cuda {torch.version.cuda}; triton "
       f"{triton.__version__}; transformers {transformers.__version__}; python {platform.python_version()}")
 EOF
-# Byte code as a pip install leaves it: the GPU image sets PYTHONDONTWRITEBYTECODE=1 and ships 5,614 of its
-# site-packages' 25,127 modules without a .pyc, so every process compiled them again (about 5 s of each tiny run's
-# start-up on an H100, 6f6b711; docs/performance.md). Compiled once here (8 s on 16 cores), as `pip install` does by
-# default; GPU_CHECK_BYTECODE=0 measures the machine as it comes.
-if [[ ${GPU_CHECK_BYTECODE:-1} != 0 ]] && $PY -c "import sys; sys.exit(not sys.flags.dont_write_bytecode)"; then
-  SITE=$($PY -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  t0=$SECONDS; $PY -m compileall -q -j 0 "$SITE" polyrl > /dev/null 2>&1
-  echo "byte-compiled $SITE and polyrl/ (rc=$?, $((SECONDS - t0)) s): PYTHONDONTWRITEBYTECODE is set here" \
-    | tee "$OUT/bytecode.txt"
-fi
+bash bench/bytecode.sh "$PY" | tee "$OUT/bytecode.txt"  # the image's missing .pyc files, as pip would compile them
 
 if want 1; then
   if $PY -c "import xdist" 2>/dev/null && [[ $WORKERS -gt 1 ]]; then

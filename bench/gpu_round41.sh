@@ -51,6 +51,7 @@ if [ "$PART" = experts ]; then
   grep -A12 "host<-device syncs:" "$OUT/profile_dapo.log"
   grep -A30 "trainer build, cProfile" "$OUT/profile_dapo.log" | cut -c1-150 | tail -22
 elif [ "$PART" = recipes ]; then
+  bash bench/bytecode.sh | tee "$OUT/bytecode.txt"
   timeout 540 python3 bench/recipe_tiny.py --backend cuda --recipes gpt_oss_dapo_tiny deepseek_ppo_tiny \
     --seeds 0 1 2 3 4 --jobs 1 --out "$OUT/recipe_tiny.json" > "$OUT/recipe_tiny.log" 2>&1
   echo "recipes rc=$?"; grep -E "^(gpt_oss|deepseek)" "$OUT/recipe_tiny.log" | tail -12
@@ -63,15 +64,17 @@ elif [ "$PART" = peers ]; then
   echo "model_step rc=$?"; tail -24 "$OUT/model_step.log"
 elif [ "$PART" = startup ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl_spy/*.whl || exit 1
-  # Is byte code cached here? (The GPU build's cProfile on 6f6b711 spent 3.3 s in compile() for 966 modules.)
-  python3 -c "import sys, sysconfig, os; p = sysconfig.get_paths()['purelib']; print('dont_write_bytecode', sys.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'), 'pycache_prefix', sys.pycache_prefix, p, 'writable', os.access(p, os.W_OK))" | tee "$OUT/bytecode.txt"
+  # As the machine comes (GPU_CHECK_BYTECODE=0 for bench/bytecode.sh), or byte-compiled first: the split says
+  # which part the missing .pyc files cost (docs/performance.md). At most 8 files come back from a call.
+  bash bench/bytecode.sh | tee "$OUT/run.log"
   for t in cold warm; do
     rm -rf "/tmp/startup_$t"; S=$SECONDS
     timeout 90 /tmp/spy/bin/py-spy record --idle -r 100 -f raw -o "$OUT/spy_$t.txt" -- python3 -m polyrl run \
       recipes/gpt_oss_dapo_tiny.yaml --seed 0 --backend cuda --output "/tmp/startup_$t" --no-progress \
-      > "$OUT/run_$t.log" 2>&1
-    echo "$t: rc=$? wall $((SECONDS - S)) s"; cp "/tmp/startup_$t/metrics.jsonl" "$OUT/metrics_$t.jsonl" 2>/dev/null
-    python3 bench/spy_split.py "$OUT/spy_$t.txt" --out "$OUT/spy_split_$t.json"
+      >> "$OUT/run.log" 2>&1
+    echo "$t: rc=$? wall $((SECONDS - S)) s" | tee -a "$OUT/run.log"
+    cp "/tmp/startup_$t/metrics.jsonl" "$OUT/metrics_$t.jsonl" 2>/dev/null
+    python3 bench/spy_split.py "$OUT/spy_$t.txt" --out "$OUT/spy_split_$t.json"; gzip -f "$OUT/spy_$t.txt"
   done
   python3 -X importtime -c "import polyrl.core.trainer, polyrl.backends.cuda" 2> "$OUT/importtime.txt"
   echo "imports by cumulative us:"; sort -t'|' -k2 -n -r "$OUT/importtime.txt" | head -25
