@@ -24,15 +24,14 @@ import time
 import torch
 
 
-def onehot_bias_gathers():
-    """polyrl's experts gathers with another bias gradient, for this benchmark only: each expert's bias gradient as
-    one matmul, one_hot(expert ids)^T @ grad in float32, instead of the sorted ``index_put_`` (deterministic too, no
-    sort; E x S x width multiply-adds). Row ``polyrl, one-hot bias grad``."""
+def _bias_gathers(name: str, bias_grad):
+    """polyrl's row gather and a bias gather (``bias.index_select(0, expert_ids)``) whose backward is
+    ``bias_grad(grad, expert_ids, experts)`` in float32, cast back to the bias' dtype: the candidates below."""
     from polyrl.core.models import experts as E
 
     row_gather, _ = E._gathers()
 
-    class OneHotBias(torch.autograd.Function):
+    class BiasGather(torch.autograd.Function):
         @staticmethod
         def forward(ctx, bias, expert_ids):
             ctx.save_for_backward(expert_ids)
@@ -42,10 +41,21 @@ def onehot_bias_gathers():
         @staticmethod
         def backward(ctx, grad):
             (expert_ids,) = ctx.saved_tensors
-            onehot = torch.nn.functional.one_hot(expert_ids, ctx.experts).to(torch.float32)  # [S, E]
-            return (onehot.t() @ grad.float()).to(ctx.bias_dtype), None
+            return bias_grad(grad.float(), expert_ids, ctx.experts).to(ctx.bias_dtype), None
 
-    return row_gather, OneHotBias
+    BiasGather.__name__ = BiasGather.__qualname__ = name
+    return row_gather, BiasGather
+
+
+def onehot_bias_gathers():
+    """polyrl's experts gathers with another bias gradient, for this benchmark only: each expert's bias gradient as
+    one matmul, one_hot(expert ids)^T @ grad in float32, instead of the sorted ``index_put_`` (deterministic too, no
+    sort; E x S x width multiply-adds). Row ``polyrl, one-hot bias grad``."""
+
+    def bias_grad(grad, expert_ids, experts):
+        return torch.nn.functional.one_hot(expert_ids, experts).to(torch.float32).t() @ grad  # [E, S] @ [S, width]
+
+    return _bias_gathers("OneHotBias", bias_grad)
 
 
 def segment_bias_gathers():
@@ -54,26 +64,13 @@ def segment_bias_gathers():
     ``torch.segment_reduce`` in float32 over the run bounds (one thread per (expert, column) adding its rows in
     order on CUDA, the same order as the CPU's loop: deterministic, no sort, no atomics). Row ``polyrl, segment
     bias grad``."""
-    from polyrl.core.models import experts as E
 
-    row_gather, _ = E._gathers()
+    def bias_grad(grad, expert_ids, experts):
+        bounds = torch.arange(experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
+        offsets = torch.searchsorted(expert_ids, bounds)  # expert e's rows: offsets[e] <= row < offsets[e + 1]
+        return torch.segment_reduce(grad, "sum", offsets=offsets, axis=0, unsafe=True, initial=0.0)
 
-    class SegmentBias(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, bias, expert_ids):
-            ctx.save_for_backward(expert_ids)
-            ctx.experts, ctx.bias_dtype = bias.shape[0], bias.dtype
-            return bias.index_select(0, expert_ids)
-
-        @staticmethod
-        def backward(ctx, grad):
-            (expert_ids,) = ctx.saved_tensors
-            bounds = torch.arange(ctx.experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
-            offsets = torch.searchsorted(expert_ids, bounds)  # expert e's rows: offsets[e] <= row < offsets[e + 1]
-            summed = torch.segment_reduce(grad.float(), "sum", offsets=offsets, axis=0, unsafe=True, initial=0.0)
-            return summed.to(ctx.bias_dtype), None
-
-    return row_gather, SegmentBias
+    return _bias_gathers("SegmentBias", bias_grad)
 
 
 # --rows key -> (row label, the experts implementation it builds, the gathers it swaps in; None: polyrl's own)

@@ -14,14 +14,6 @@ from experts_cases import run as _run
 from polyrl.core.models import experts as E
 
 
-@pytest.fixture
-def deterministic():
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
 def _with_gathers(gathers, module, case, dtype):
     E._GATHERS = gathers
     try:

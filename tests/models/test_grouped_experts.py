@@ -16,15 +16,6 @@ from transformers.integrations import moe
 from polyrl.core.models import experts as E
 
 
-@pytest.fixture
-def deterministic():
-    """torch's deterministic algorithms, as polyrl's CPU runs set them (polyrl.core.distributed.process)."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(before[0], warn_only=before[1])
-
-
 @pytest.mark.parametrize("preset", ["gpt_oss_tiny", "deepseek_v3_tiny"])
 def test_float32_matches_transformers_bit_for_bit_with_two_experts_a_token(preset, deterministic):
     config, module = _experts(preset)
