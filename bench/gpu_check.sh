@@ -19,6 +19,7 @@
 #      vLLM's sleep asserts on the GPU's free memory, which another process's engine moves (docs/rollout.md)
 #  10. two GPT-OSS layers at full width, fwd+bwd at 4k and 16k tokens: the trainer's loss path (polyrl attention +
 #      fused log-prob) beside transformers with FA4 / flex and its labels= loss, with the ratios (bench/model_step.py)
+# Before step 1: bench/bytecode.sh compiles the byte code the GPU image leaves out (GPU_CHECK_BYTECODE=0: not).
 # Writes everything under ${GPU_CHECK_OUT:-gpu_check_out}/ and prints a summary; exit 1 if a step failed.
 #
 #   bash bench/gpu_check.sh            # all steps
