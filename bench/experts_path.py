@@ -82,6 +82,12 @@ ROWS = {
 }
 
 
+def row_keys(requested: list[str]) -> list[str]:
+    """The rows to run, in order: polyrl's and grouped_mm's always (every ratio is against grouped_mm, every
+    bit-for-bit count against polyrl), then the requested others."""
+    return ["polyrl", "grouped_mm", *(k for k in requested if k not in ("polyrl", "grouped_mm"))]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default=None)
@@ -92,7 +98,6 @@ def main() -> int:
                     help="which rows (polyrl and grouped_mm always run: the ratios are against grouped_mm)")
     ap.add_argument("--out", default="bench/results/experts_path.json")
     args = ap.parse_args()
-    keys = ["polyrl", "grouped_mm", *(k for k in args.rows if k not in ("polyrl", "grouped_mm"))]
 
     from polyrl.core.models import build_model
     from polyrl.core.plugins.selection import set_active_backend
@@ -104,7 +109,7 @@ def main() -> int:
 
     rows = {}
     kept = {}  # row -> the last step's output and gradients (CPU float32), compared after all ran
-    for key in keys:
+    for key in row_keys(args.rows):
         impl, experts_impl, gathers = ROWS[key]
         E._GATHERS = gathers() if gathers else None  # None: polyrl's own, built on first use
         model = build_model(args.preset, attn_implementation="polyrl", experts_implementation=experts_impl,

@@ -41,3 +41,5 @@ def test_the_rows_flag_always_keeps_the_two_rows_the_ratios_need():
     bench = load_bench("experts_path")
     assert set(bench.ROWS) == {"polyrl", "grouped_mm", "onehot", "segment"}
     assert [bench.ROWS[k][1] for k in ("onehot", "segment")] == ["polyrl", "polyrl"]
+    assert bench.row_keys(["segment"]) == ["polyrl", "grouped_mm", "segment"]
+    assert bench.row_keys(["onehot", "grouped_mm", "polyrl"]) == ["polyrl", "grouped_mm", "onehot"]
