@@ -6,6 +6,7 @@
 #   bash bench/gpu_round41.sh peers      # about 6 minutes, after the peers' stash call (below)
 #   bash bench/gpu_round41.sh startup    # 2 minutes on an H100 (6f6b711), carrying .whl_spy (below)
 #   bash bench/gpu_round41.sh sweep      # a few minutes: the launch-config sweep, FA4 beside it if the peers part ran
+#   bash bench/gpu_round41.sh table      # at most 9.5 minutes, after the peers' stash call: issue 40's table, one run each
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
 #      path beside transformers' grouped_mm path and beside polyrl's with a one-hot-matmul or a segmented-sum bias
@@ -26,6 +27,10 @@
 #      polyrl.backends.cuda.attention_choice.MEASURED so the cuda backend runs FA4 there;
 #   5. bench/model_step.py: the real-width step (2 GPT-OSS layers, 128 experts, 16k tokens) beside transformers + FA4
 #      with its labels= loss, after grouped_experts (1.008x the time, 0.497x the memory on c178864).
+# table (the peers carried in as for the peers part): issue 40's table, each benchmark one run with its peers:
+#   8. bench/attention.py, 4x4096 and 1x16384, causal and window 128: polyrl's Triton kernel, the cuda backend's
+#      pick (polyrl-selected) and FA4; bench/logprob_linear.py at 16k tokens beside Liger / Cut Cross-Entropy;
+#      bench/model_step.py (2 GPT-OSS layers at full width, 4k and 16k tokens, beside transformers + FA4).
 # startup (the py-spy wheel carried in .whl_spy, fetched here with `python3 -m pip download --no-deps --only-binary=:all:
 # --platform manylinux1_x86_64 -d .whl_spy py-spy==0.4.3`):
 #   6. the tiny DAPO recipe, seed 0, recorded whole by py-spy (--idle, 100 Hz), on a machine that has not run it yet
@@ -38,7 +43,8 @@
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
 set -uo pipefail
 PART=${1:-experts}
-case "$PART" in experts|recipes|peers|startup|sweep) ;; *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers|startup|sweep"; exit 2;; esac
+case "$PART" in experts|recipes|peers|startup|sweep|table) ;;
+  *) echo "usage: bash bench/gpu_round41.sh experts|recipes|peers|startup|sweep|table"; exit 2;; esac
 OUT=${OUT:-gpu_round41_out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$PART" = experts ]; then
@@ -61,6 +67,16 @@ elif [ "$PART" = peers ]; then
   timeout 200 python3 bench/attention_mla.py --out "$OUT/attention_mla.json" > "$OUT/attention_mla.log" 2>&1
   echo "attention_mla rc=$?"; tail -14 "$OUT/attention_mla.log"
   timeout 300 python3 bench/model_step.py --out "$OUT/model_step.json" > "$OUT/model_step.log" 2>&1
+  echo "model_step rc=$?"; tail -24 "$OUT/model_step.log"
+elif [ "$PART" = table ]; then
+  bash bench/gpu_peers.sh > "$OUT/peers.log" 2>&1; echo "peers rc=$?"; tail -3 "$OUT/peers.log"
+  . /tmp/site/peers_env.sh
+  timeout 200 python3 bench/attention.py --layouts 4x4096,1x16384 --windows none,128 --no-accuracy \
+    --impls polyrl,polyrl-selected,fa4 --out "$OUT/attention.json" > "$OUT/attention.log" 2>&1
+  echo "attention rc=$?"; grep -vE "^ {20}" "$OUT/attention.log" | tail -22
+  timeout 120 python3 bench/logprob_linear.py --T 16384 --out "$OUT/logprob_linear.json" > "$OUT/logprob_linear.log" 2>&1
+  echo "logprob_linear rc=$?"; tail -12 "$OUT/logprob_linear.log"
+  timeout 200 python3 bench/model_step.py --out "$OUT/model_step.json" > "$OUT/model_step.log" 2>&1
   echo "model_step rc=$?"; tail -24 "$OUT/model_step.log"
 elif [ "$PART" = startup ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/spy .whl_spy/*.whl || exit 1
