@@ -1,7 +1,6 @@
-"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel) beside transformers' own default
-("grouped_mm"), same run, same weights; and two more rows, polyrl's path with another bias gradient (a one-hot
-matmul, or a segmented sum over the expert-sorted rows, instead of ``index_add_``, which CUDA runs as a sorted
-``index_put_``), to choose on a GPU.
+"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel, whose bias gradients are segmented
+sums over the expert-sorted rows) beside transformers' own default ("grouped_mm"), same run, same weights; and one
+more row, polyrl's path with another bias gradient (a one-hot matmul), to compare on a GPU.
 
 Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
 random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +
@@ -10,7 +9,7 @@ median step and peak memory of each, the ratio, and how far they agree (output a
 step, relative norm); writes JSON. Expert parallelism with ``ep=1`` is this path.
 
     python bench/experts_path.py [--backend cuda] [--preset gpt_oss_20b] [--tokens 4096] [--steps 10]
-        [--rows polyrl grouped_mm onehot segment] [--out bench/results/experts_path.json]
+        [--rows polyrl grouped_mm onehot] [--out bench/results/experts_path.json]
 """
 
 from __future__ import annotations
@@ -49,8 +48,8 @@ def _bias_gathers(name: str, bias_grad):
 
 def onehot_bias_gathers():
     """polyrl's experts gathers with another bias gradient, for this benchmark only: each expert's bias gradient as
-    one matmul, one_hot(expert ids)^T @ grad in float32, instead of the sorted ``index_put_`` (deterministic too, no
-    sort; E x S x width multiply-adds). Row ``polyrl, one-hot bias grad``."""
+    one matmul, one_hot(expert ids)^T @ grad in float32, instead of polyrl's segmented sum (deterministic too;
+    E x S x width multiply-adds). Row ``polyrl, one-hot bias grad``."""
 
     def bias_grad(grad, expert_ids, experts):
         return torch.nn.functional.one_hot(expert_ids, experts).to(torch.float32).t() @ grad  # [E, S] @ [S, width]
@@ -58,27 +57,11 @@ def onehot_bias_gathers():
     return _bias_gathers("OneHotBias", bias_grad)
 
 
-def segment_bias_gathers():
-    """polyrl's experts gathers with another bias gradient, for this benchmark only: the rows arrive sorted by
-    expert (``grouped_experts``), so each expert's bias gradient is the sum of one contiguous run of rows,
-    ``torch.segment_reduce`` in float32 over the run bounds (one thread per (expert, column) adding its rows in
-    order on CUDA, the same order as the CPU's loop: deterministic, no sort, no atomics). Row ``polyrl, segment
-    bias grad``."""
-
-    def bias_grad(grad, expert_ids, experts):
-        bounds = torch.arange(experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
-        offsets = torch.searchsorted(expert_ids, bounds)  # expert e's rows: offsets[e] <= row < offsets[e + 1]
-        return torch.segment_reduce(grad, "sum", offsets=offsets, axis=0, unsafe=True, initial=0.0)
-
-    return _bias_gathers("SegmentBias", bias_grad)
-
-
 # --rows key -> (row label, the experts implementation it builds, the gathers it swaps in; None: polyrl's own)
 ROWS = {
     "polyrl": ("polyrl", "polyrl", None),
     "grouped_mm": ("grouped_mm", "grouped_mm", None),
     "onehot": ("polyrl, one-hot bias grad", "polyrl", onehot_bias_gathers),
-    "segment": ("polyrl, segment bias grad", "polyrl", segment_bias_gathers),
 }
 
 

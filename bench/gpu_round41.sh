@@ -9,9 +9,9 @@
 #   bash bench/gpu_round41.sh table      # at most 9.5 minutes, after the peers' stash call: issue 40's table, one run each
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
-#      path beside transformers' grouped_mm path and beside polyrl's with a one-hot-matmul or a segmented-sum bias
-#      gradient (the candidate for the 16 indexing_backward_kernel launches a tiny DAPO step still makes), same run,
-#      the ratios, how far each agrees with transformers' (output and every gradient) and which equal polyrl's;
+#      path (its bias gradients segmented sums since 6f6b711's 16 indexing_backward_kernel launches a tiny DAPO step)
+#      beside transformers' grouped_mm path and beside polyrl's with a one-hot-matmul bias gradient, same run, the
+#      ratios, how far each agrees with transformers' (output and every gradient) and which equal polyrl's;
 #   2. bench/profile_step.py on the tiny DAPO recipe (cuda, 20 steps, 3 profiled): the step split and the top kernels
 #      (indexing_backward_kernel was about 30% of the GPU time on c178864), the host<-device syncs by call site (the
 #      profile's 1,446 a step count every item(), CPU tensors' too) and a cProfile of the trainer build (9 s of the

@@ -50,7 +50,9 @@ def test_the_same_numbers_on_every_call(deterministic):
         assert all(torch.equal(a, b) for a, b in zip(_run(E.grouped_experts, module, case, torch.bfloat16), first))
 
 
-def _index_puts(fn) -> int:
+def _scatters(fn) -> int:
+    """How many accumulating scatters (``index_put_(accumulate=True)``, ``index_add_``) one forward + backward of
+    ``fn`` runs on the gpt_oss_tiny experts."""
     from torch.profiler import profile
 
     config, module = _experts("gpt_oss_tiny")
@@ -60,18 +62,57 @@ def _index_puts(fn) -> int:
     counts = {e.key: e.count for e in prof.key_averages()}
     if fn is E.grouped_experts:
         assert counts.get("RowGatherBackward") == 3 and counts.get("BiasGatherBackward") == 2
-    return counts.get("aten::_index_put_impl_", 0)
+        assert counts.get("aten::segment_reduce", 0) == 2  # the two bias gradients
+    return counts.get("aten::_index_put_impl_", 0) + counts.get("aten::index_add_", 0)
 
 
-def test_index_put_only_for_the_two_biases_and_not_under_deterministic_algorithms(deterministic):
-    """The token rows, the routing weights and the un-sort differentiate by gathers; ``index_put_`` (the scatter
-    behind ``tensor[index]``'s backward, five of them in transformers' path) runs for the two bias gradients only,
-    and only when deterministic algorithms are off (``index_add_`` is deterministic when they are on)."""
-    assert _index_puts(E.grouped_experts) == 0
-    # what the test would have caught: transformers' five backward scatters and its forward's inverse permutation
-    assert _index_puts(moe.grouped_mm_experts_forward) == 6
-    torch.use_deterministic_algorithms(False)
-    assert _index_puts(E.grouped_experts) == 2
+@pytest.mark.parametrize("deterministic_mode", [True, False])
+def test_no_scatter_at_all_in_the_backward(deterministic_mode):
+    """The token rows, the routing weights and the un-sort differentiate by gathers, the two biases by segmented
+    sums over the expert-sorted rows: no ``index_put_`` (the scatter behind ``tensor[index]``'s backward, five of
+    them in transformers' path) and no ``index_add_``, with torch's deterministic algorithms on or off."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic_mode)
+    try:
+        assert _scatters(E.grouped_experts) == 0
+        # what the test would have caught: transformers' five backward scatters and its forward's inverse permutation
+        assert _scatters(moe.grouped_mm_experts_forward) == 6
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_bias_gradient_is_index_adds_bit_for_bit_with_an_empty_expert(dtype, deterministic):
+    """BiasGather's segmented sum against ``index_add_``'s serial loop in the same float32 (float64) buffer: the same
+    rows added in the same order, so the same bits; experts 1 and 4 get no rows (a zero gradient)."""
+    _, bias_gather = E._gathers()
+    gen = torch.Generator().manual_seed(0)
+    bias = torch.randn(6, 5, generator=gen).to(dtype).requires_grad_()
+    ids = torch.tensor([0, 0, 2, 2, 2, 3, 5, 5])
+    grad = torch.randn(ids.numel(), 5, generator=gen).to(dtype)
+    bias_gather.apply(bias, ids).backward(grad)
+    acc = torch.promote_types(dtype, torch.float32)
+    want = torch.zeros(6, 5, dtype=acc).index_add_(0, ids, grad.to(acc)).to(dtype)
+    assert torch.equal(bias.grad, want)
+    assert not bias.grad[[1, 4]].any() and bias.grad[[0, 2, 3, 5]].abs().sum(dim=1).gt(0).all()
+
+
+def test_without_a_segment_reduce_kernel_the_bias_gradient_falls_back(monkeypatch, deterministic):
+    """A device whose torch raises NotImplementedError for segment_reduce gets ``index_add_`` (deterministic
+    algorithms on) or ``index_put_``: the same gradients, bit for bit here."""
+    config, module = _experts("gpt_oss_tiny")
+    case = _case(config, module, 2)
+    want = _run(E.grouped_experts, module, case, torch.float32)
+    calls = []
+
+    def no_kernel(*args, **kwargs):
+        calls.append(1)
+        raise NotImplementedError("segment_reduce: no kernel for this device")
+
+    monkeypatch.setattr(torch, "segment_reduce", no_kernel)
+    got = _run(E.grouped_experts, module, case, torch.float32)
+    assert len(calls) == 2  # both bias gradients tried it, then fell back
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_without_grad_the_plain_gathers_run():

@@ -116,10 +116,13 @@ def _gathers():
             return rows, None, None, None
 
     class BiasGather(torch.autograd.Function):
-        """``bias.index_select(0, expert_ids)``, one row per (token, expert) pair. Backward: each expert's rows
-        summed in a float32 (or wider) buffer, deterministically on every device: ``index_add_`` when torch's
-        deterministic algorithms are on (polyrl's CPU runs: a serial loop on the CPU, sorted on CUDA), else
-        ``index_put_(accumulate=True)`` (sorted on CUDA, where ``index_add_`` would race with atomics)."""
+        """``bias.index_select(0, expert_ids)``, one row per (token, expert) pair, ``expert_ids`` sorted (the
+        experts' grouped order). Backward: each expert's gradient is the sum of one contiguous run of rows,
+        ``torch.segment_reduce`` over the run bounds in a float32 (or wider) buffer: each (expert, column) adds its
+        rows in order on every device, so the result is deterministic without a sort, atomics or torch's
+        deterministic mode, and equals ``index_add_``'s serial loop bit for bit. A device whose torch has no
+        segment_reduce kernel (NotImplementedError) takes ``index_add_`` when deterministic algorithms are on, else
+        ``index_put_(accumulate=True)``."""
 
         @staticmethod
         def forward(ctx, bias, expert_ids):
@@ -130,11 +133,20 @@ def _gathers():
         @staticmethod
         def backward(ctx, grad):
             (expert_ids,) = ctx.saved_tensors
-            acc = grad.new_zeros(ctx.bias_shape, dtype=torch.promote_types(ctx.bias_dtype, torch.float32))
-            if torch.are_deterministic_algorithms_enabled():
-                acc.index_add_(0, expert_ids, grad.to(acc.dtype))
-            else:
-                acc.index_put_((expert_ids,), grad.to(acc.dtype), accumulate=True)
+            acc_dtype = torch.promote_types(ctx.bias_dtype, torch.float32)
+            experts = ctx.bias_shape[0]
+            # expert e's rows: offsets[e] <= row < offsets[e + 1] (an empty expert: an empty run, summed to 0)
+            bounds = torch.arange(experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
+            try:
+                offsets = torch.searchsorted(expert_ids, bounds)
+                acc = torch.segment_reduce(grad.to(acc_dtype), "sum", offsets=offsets, axis=0, unsafe=True,
+                                           initial=0.0)
+            except NotImplementedError:
+                acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype)
+                if torch.are_deterministic_algorithms_enabled():
+                    acc.index_add_(0, expert_ids, grad.to(acc_dtype))
+                else:
+                    acc.index_put_((expert_ids,), grad.to(acc_dtype), accumulate=True)
             return acc.to(ctx.bias_dtype), None
 
     return RowGather, BiasGather
@@ -157,7 +169,8 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fa
 
 
 def _gather_bias(bias: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """``bias[expert_ids]`` with a deterministic float32 backward (see BiasGather)."""
+    """``bias[expert_ids]`` for ``expert_ids`` sorted ascending, with a deterministic float32 backward (see
+    BiasGather)."""
     import torch
 
     global _GATHERS
@@ -175,12 +188,13 @@ def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
 
     transformers gathers with ``tensor[index]``, whose backward is ``index_put_(accumulate=True)``: a sort and a
     pass over the sorted indices on CUDA (its ``indexing_backward_kernel`` measured about 30% of the tiny GPT-OSS
-    recipe's GPU time on an H100) and, under deterministic algorithms (polyrl's CPU runs), a serial loop on the CPU. Here the token rows, the routing weights and the final un-sort are gathers whose
-    backward is a gather as well (each token's k rows summed in slot order, a permutation undone by its inverse),
-    and only the per-row biases still accumulate (BiasGather). With k = 2 every gradient is the one
-    transformers' path gives, bit for bit (two terms add the same in either order); with k > 2 the input gradient
-    sums a token's rows in slot order instead of expert order; the bias gradients are summed in float32 (bf16: closer
-    to exact than transformers' bf16 accumulation). transformers' own expert parallelism (sentinel
+    recipe's GPU time on an H100) and, under deterministic algorithms (polyrl's CPU runs), a serial loop on the CPU.
+    Here the token rows, the routing weights and the final un-sort are gathers whose backward is a gather as well
+    (each token's k rows summed in slot order, a permutation undone by its inverse), and the per-row biases'
+    gradients are segmented sums over the expert-sorted rows (BiasGather): no scatter. With k = 2 every gradient is
+    the one transformers' path gives, bit for bit (two terms add the same in either order); with k > 2 the input
+    gradient sums a token's rows in slot order instead of expert order; the bias gradients are summed in float32
+    (bf16: closer to exact than transformers' bf16 accumulation). transformers' own expert parallelism (sentinel
     expert ids) and a transformers without the helper used here run its function unchanged."""
     import torch
 
