@@ -1,6 +1,7 @@
-"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel, whose bias gradients are segmented
-sums over the expert-sorted rows) beside transformers' own default ("grouped_mm"), same run, same weights; and one
-more row, polyrl's path with another bias gradient (a one-hot matmul), to compare on a GPU.
+"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel; on CUDA, where torch's deterministic
+algorithms are off, its bias gradients are segmented sums over the expert-sorted rows) beside transformers' own
+default ("grouped_mm"), same run, same weights; and one more row, polyrl's path with another bias gradient (a one-hot
+matmul), to compare on a GPU.
 
 Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
 random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +
@@ -48,7 +49,7 @@ def _bias_gathers(name: str, bias_grad):
 
 def onehot_bias_gathers():
     """polyrl's experts gathers with another bias gradient, for this benchmark only: each expert's bias gradient as
-    one matmul, one_hot(expert ids)^T @ grad in float32, instead of polyrl's segmented sum (deterministic too;
+    one matmul, one_hot(expert ids)^T @ grad in float32, instead of polyrl's segmented sum (CUDA; deterministic too;
     E x S x width multiply-adds). Row ``polyrl, one-hot bias grad``."""
 
     def bias_grad(grad, expert_ids, experts):

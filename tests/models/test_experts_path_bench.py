@@ -1,4 +1,4 @@
-"""bench/experts_path.py's candidate bias gradient, on the CPU: the one-hot matmul agrees with polyrl's segmented sum
+"""bench/experts_path.py's candidate bias gradient, on the CPU: the one-hot matmul agrees with polyrl's bias gradient
 to float32 rounding, an empty expert included; the --rows flag keeps the rows the ratios need."""
 
 from __future__ import annotations

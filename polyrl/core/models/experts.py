@@ -117,12 +117,15 @@ def _gathers():
 
     class BiasGather(torch.autograd.Function):
         """``bias.index_select(0, expert_ids)``, one row per (token, expert) pair, ``expert_ids`` sorted (the
-        experts' grouped order). Backward: each expert's gradient is the sum of one contiguous run of rows,
-        ``torch.segment_reduce`` over the run bounds in a float32 (or wider) buffer: each (expert, column) adds its
-        rows in order on every device, so the result is deterministic without a sort, atomics or torch's
-        deterministic mode, and equals ``index_add_``'s serial loop bit for bit. A device whose torch has no
-        segment_reduce kernel (NotImplementedError) takes ``index_add_`` when deterministic algorithms are on, else
-        ``index_put_(accumulate=True)``."""
+        experts' grouped order). Backward: each expert's rows summed in a float32 (or wider) buffer, in row order,
+        deterministically on every device. With torch's deterministic algorithms on (polyrl's CPU runs):
+        ``index_add_``, a serial loop on the CPU (sorted on CUDA). Off (the accelerators' runs): each expert's rows
+        are one contiguous run, so ``torch.segment_reduce`` over the run bounds sums them, one thread per (expert,
+        column) in row order: no sort and no atomics (where ``index_put_(accumulate=True)``, the scatter behind
+        ``tensor[index]``'s backward, sorts on CUDA), the same bits as ``index_add_``'s loop. A device whose torch
+        has no segment_reduce kernel (NotImplementedError) takes ``index_put_(accumulate=True)``. Why not the
+        segmented sum everywhere: torch's CPU segment_reduce took 6-17x ``index_add_``'s time at the tiny recipes'
+        shapes (docs/performance.md)."""
 
         @staticmethod
         def forward(ctx, bias, expert_ids):
@@ -134,19 +137,18 @@ def _gathers():
         def backward(ctx, grad):
             (expert_ids,) = ctx.saved_tensors
             acc_dtype = torch.promote_types(ctx.bias_dtype, torch.float32)
-            experts = ctx.bias_shape[0]
+            if torch.are_deterministic_algorithms_enabled():
+                acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype).index_add_(0, expert_ids, grad.to(acc_dtype))
+                return acc.to(ctx.bias_dtype), None
             # expert e's rows: offsets[e] <= row < offsets[e + 1] (an empty expert: an empty run, summed to 0)
-            bounds = torch.arange(experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
+            bounds = torch.arange(ctx.bias_shape[0] + 1, device=expert_ids.device, dtype=expert_ids.dtype)
             try:
                 offsets = torch.searchsorted(expert_ids, bounds)
                 acc = torch.segment_reduce(grad.to(acc_dtype), "sum", offsets=offsets, axis=0, unsafe=True,
                                            initial=0.0)
             except NotImplementedError:
                 acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype)
-                if torch.are_deterministic_algorithms_enabled():
-                    acc.index_add_(0, expert_ids, grad.to(acc_dtype))
-                else:
-                    acc.index_put_((expert_ids,), grad.to(acc_dtype), accumulate=True)
+                acc.index_put_((expert_ids,), grad.to(acc_dtype), accumulate=True)
             return acc.to(ctx.bias_dtype), None
 
     return RowGather, BiasGather
@@ -191,8 +193,8 @@ def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     recipe's GPU time on an H100) and, under deterministic algorithms (polyrl's CPU runs), a serial loop on the CPU.
     Here the token rows, the routing weights and the final un-sort are gathers whose backward is a gather as well
     (each token's k rows summed in slot order, a permutation undone by its inverse), and the per-row biases'
-    gradients are segmented sums over the expert-sorted rows (BiasGather): no scatter. With k = 2 every gradient is
-    the one transformers' path gives, bit for bit (two terms add the same in either order); with k > 2 the input
+    gradients are sums over the expert-sorted rows (BiasGather: ``index_add_`` under deterministic algorithms, else a
+    segmented sum; never ``index_put_``). With k = 2 every gradient is the one transformers' path gives, bit for bit (two terms add the same in either order); with k > 2 the input
     gradient sums a token's rows in slot order instead of expert order; the bias gradients are summed in float32
     (bf16: closer to exact than transformers' bf16 accumulation). transformers' own expert parallelism (sentinel
     expert ids) and a transformers without the helper used here run its function unchanged."""
