@@ -124,7 +124,7 @@ def _gathers():
         column) in row order: no sort and no atomics (where ``index_put_(accumulate=True)``, the scatter behind
         ``tensor[index]``'s backward, sorts on CUDA), the same bits as ``index_add_``'s loop. A device whose torch
         has no segment_reduce kernel (NotImplementedError) takes ``index_put_(accumulate=True)``. Why not the
-        segmented sum everywhere: torch's CPU segment_reduce took 6-17x ``index_add_``'s time at the tiny recipes'
+        segmented sum everywhere: torch's CPU segment_reduce took 4-18x ``index_add_``'s time at the tiny recipes'
         shapes (docs/performance.md)."""
 
         @staticmethod
