@@ -1,7 +1,7 @@
-"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel; on CUDA, where torch's deterministic
-algorithms are off, its bias gradients are segmented sums over the expert-sorted rows) beside transformers' own
-default ("grouped_mm"), same run, same weights; and one more row, polyrl's path with another bias gradient (a one-hot
-matmul), to compare on a GPU.
+"""MoE experts path: polyrl's default ("polyrl": the bound backend's experts kernel; on CUDA, where torch's
+deterministic algorithms are off, its bias gradients are segmented sums over the expert-sorted rows) beside
+transformers' own default ("grouped_mm"), same run, same weights; and one more row, polyrl's path with another bias
+gradient (a one-hot matmul), to compare on a GPU.
 
 Two GPT-OSS-20B-width layers (hidden 2880, 32 experts, top-4; the ``gpt_oss_20b`` preset cut to 2 layers), bf16,
 random init, built by ``polyrl.core.models.build_model`` on the active backend, one packed sequence, forward +

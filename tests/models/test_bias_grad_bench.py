@@ -13,7 +13,8 @@ def test_the_exact_sums_equal_polyrls_bit_for_bit(tmp_path):
     bench = load_bench("bias_grad")
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     try:
-        assert bench.main(["--device", "cpu", "--shapes", "tiny", "--reps", "1", "--out", str(tmp_path / "b.json")]) == 0
+        argv = ["--device", "cpu", "--shapes", "tiny", "--reps", "1", "--out", str(tmp_path / "b.json")]
+        assert bench.main(argv) == 0
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
     results = json.loads((tmp_path / "b.json").read_text())["results"]

@@ -193,11 +193,12 @@ def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     recipe's GPU time on an H100) and, under deterministic algorithms (polyrl's CPU runs), a serial loop on the CPU.
     Here the token rows, the routing weights and the final un-sort are gathers whose backward is a gather as well
     (each token's k rows summed in slot order, a permutation undone by its inverse), and the per-row biases'
-    gradients are sums over the expert-sorted rows (BiasGather: ``index_add_`` under deterministic algorithms, else a
-    segmented sum; never ``index_put_``). With k = 2 every gradient is the one transformers' path gives, bit for bit (two terms add the same in either order); with k > 2 the input
-    gradient sums a token's rows in slot order instead of expert order; the bias gradients are summed in float32
-    (bf16: closer to exact than transformers' bf16 accumulation). transformers' own expert parallelism (sentinel
-    expert ids) and a transformers without the helper used here run its function unchanged."""
+    gradients are sums over the expert-sorted rows (BiasGather: ``index_add_`` under deterministic algorithms, else
+    a segmented sum). With k = 2 every gradient is the one transformers' path gives, bit for bit (two terms add the
+    same in either order); with k > 2 the input gradient sums a token's rows in slot order instead of expert order;
+    the bias gradients are summed in float32 (bf16: closer to exact than transformers' bf16 accumulation).
+    transformers' own expert parallelism (sentinel expert ids) and a transformers without the helper used here run
+    its function unchanged."""
     import torch
 
     try:
