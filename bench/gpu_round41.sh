@@ -6,7 +6,7 @@
 #   bash bench/gpu_round41.sh peers      # about 6 minutes, after the peers' stash call (below)
 #   bash bench/gpu_round41.sh startup    # 2 minutes on an H100 (6f6b711), carrying .whl_spy (below)
 #   bash bench/gpu_round41.sh sweep      # a few minutes: the launch-config sweep, FA4 beside it if the peers part ran
-#   bash bench/gpu_round41.sh table      # at most 9.5 minutes, after the peers' stash call: issue 40's table, one run each
+#   bash bench/gpu_round41.sh table      # at most 9.5 minutes after the peers' stash call: issue 40's table
 # experts:
 #   1. bench/experts_path.py at GPT-OSS-20B width (2 layers, 32 experts, top-4, bf16, 16384 tokens): polyrl's experts
 #      path (its bias gradients segmented sums since 6f6b711's 16 indexing_backward_kernel launches a tiny DAPO step)

@@ -140,12 +140,8 @@ def _gathers():
             if torch.are_deterministic_algorithms_enabled():
                 acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype).index_add_(0, expert_ids, grad.to(acc_dtype))
                 return acc.to(ctx.bias_dtype), None
-            # expert e's rows: offsets[e] <= row < offsets[e + 1] (an empty expert: an empty run, summed to 0)
-            bounds = torch.arange(ctx.bias_shape[0] + 1, device=expert_ids.device, dtype=expert_ids.dtype)
             try:
-                offsets = torch.searchsorted(expert_ids, bounds)
-                acc = torch.segment_reduce(grad.to(acc_dtype), "sum", offsets=offsets, axis=0, unsafe=True,
-                                           initial=0.0)
+                acc = segment_sums(grad.to(acc_dtype), expert_ids, ctx.bias_shape[0])
             except NotImplementedError:
                 acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype)
                 acc.index_put_((expert_ids,), grad.to(acc_dtype), accumulate=True)
@@ -155,6 +151,17 @@ def _gathers():
 
 
 _GATHERS = None
+
+
+def segment_sums(rows: torch.Tensor, expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """``[experts, width]``: each expert's rows of ``rows [S, width]`` summed in row order, ``expert_ids [S]``
+    sorted ascending, so each expert's rows are one contiguous run (``torch.segment_reduce`` over the run bounds;
+    an expert without rows sums to 0). NotImplementedError where torch has no kernel for the device."""
+    import torch
+
+    bounds = torch.arange(experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
+    offsets = torch.searchsorted(expert_ids, bounds)  # expert e's rows: offsets[e] <= row < offsets[e + 1]
+    return torch.segment_reduce(rows, "sum", offsets=offsets, axis=0, unsafe=True, initial=0.0)
 
 
 def _gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fan_out: int = 1) -> torch.Tensor:
