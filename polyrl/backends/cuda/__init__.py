@@ -68,6 +68,13 @@ class CudaBackend(Backend):
             # GPT-OSS's experts and sinks (written without a weight_loader): 0.079 nats off after one sync
         }
 
+    def precompile(self, layouts, dtypes, device):
+        """The Triton attention kernels of these layouts compiled on a thread pool while the trainer builds
+        (polyrl.backends.cuda.precompile; POLYRL_PRECOMPILE=0: not)."""
+        from polyrl.backends.cuda.precompile import precompile
+
+        return precompile(layouts, dtypes, device)
+
     def compatibility(self) -> Compatibility:
         from polyrl.backends.cuda import compat
 

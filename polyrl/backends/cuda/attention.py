@@ -45,6 +45,7 @@ from polyrl.backends.cuda.kernels.backward_fused import attn_bwd_fused_kernel
 from polyrl.backends.cuda.kernels.configs import measured_pick, table_configs
 from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel, prune_rows
 from polyrl.backends.cuda.per_batch import LastBatch
+from polyrl.backends.cuda.precompile import launch
 from polyrl.core.errors import BadInputError
 
 LOG2E = 1.4426950408889634
@@ -102,7 +103,8 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config) -> None:
     """The Triton function under ``kernel``'s autotuner with one config (its row tile widened to the GQA group)."""
     (config,) = prune_rows([config], meta)
-    kernel.fn[grid](*args, **meta, **config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+    launch(kernel.fn, grid, args, {**meta, **config.kwargs, "num_warps": config.num_warps,
+                                   "num_stages": config.num_stages})
 
 
 def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None) -> None:
@@ -113,7 +115,7 @@ def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOpt
     if options.configs == "first":
         pick = measured_pick(name, meta["D"], meta["DV"], meta["HAS_WINDOW"], _capability(args[0].device))
         if pick is None:
-            kernel[grid](*args, **meta)
+            launch(kernel, grid, args, meta)
         else:
             _launch_one(kernel, grid, args, meta, pick)
         return
@@ -127,7 +129,7 @@ def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOpt
             configs=configs, key=[k for k in _TUNE_KEY if k in kernel.fn.arg_names],
             prune_configs_by={"early_config_prune": prune_rows}, cache_results=True,
             reset_to_zero=reset_to_zero)(kernel.fn)
-    _TABLE_TUNERS[tuner_key][grid](*args, **meta)
+    launch(_TABLE_TUNERS[tuner_key], grid, args, meta)
 
 
 def _compute_doc_bounds(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,8 +221,8 @@ class _VarlenAttention(torch.autograd.Function):
             # o is contiguous [T, Hq, Dv]; do may be any [T, Hq, Dv] with unit last stride and rows uniform.
             if do.stride(0) != Hq * do.stride(1):
                 do = do.contiguous()
-            bwd_preprocess_kernel[(triton.cdiv(R, block_r),)](
-                o, do, delta, R, o.stride(1), do.stride(1), DV=Dv, BLOCK_R=block_r, BLOCK_DV=BLOCK_DV)
+            launch(bwd_preprocess_kernel, (triton.cdiv(R, block_r),), (o, do, delta, R, o.stride(1), do.stride(1)),
+                   dict(DV=Dv, BLOCK_R=block_r, BLOCK_DV=BLOCK_DV))
             meta = dict(D=D, DV=Dv, G_P=G_P, BLOCK_D=BLOCK_D, BLOCK_DV=BLOCK_DV, HAS_WINDOW=has_window,
                         DOT_PREC=prec, BAND=band)
 

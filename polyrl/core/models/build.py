@@ -22,6 +22,23 @@ if TYPE_CHECKING:
     from polyrl.core.plugins.backend import Backend
 
 
+def model_config_for(name_or_path: str | os.PathLike, overrides: dict[str, Any] | None = None) -> Any:
+    """The transformers config ``build_model(name_or_path, overrides=overrides)`` builds from, without building:
+    a checkpoint directory's (``AutoConfig``) or a preset's, with ``overrides``. Raises ValueError for a name that
+    is neither (as ``build_model`` does)."""
+    path = os.fspath(name_or_path)
+    overrides = dict(overrides or {})
+    if os.path.isdir(path):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(path, **overrides)
+    if path not in PRESETS:
+        raise ValueError(
+            f"{path!r} is neither a local checkpoint directory nor a model preset; presets: {', '.join(preset_names())}"
+        )
+    return model_config(path, **overrides)
+
+
 def build_model(
     name_or_path: str | os.PathLike,
     *,
@@ -93,13 +110,9 @@ def build_model(
             model.resize_token_embeddings(vocab_size)
         hf_attention.bind_backend(model, backend)
         return model
-    if path not in PRESETS:
-        raise ValueError(
-            f"{path!r} is neither a local checkpoint directory nor a model preset; presets: {', '.join(preset_names())}"
-        )
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size
-    config = model_config(path, **overrides)
+    config = model_config_for(path, overrides)
     if vocab_size is not None and getattr(config, "pad_token_id", None) is not None and config.pad_token_id >= vocab_size:
         config.pad_token_id = 0  # a preset's pad id beyond a task's small vocabulary (embedding row 0 is as good)
     if meta:

@@ -20,7 +20,7 @@ self-check) are class attributes here too, so that a backend is declared in one 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from polyrl.core.plugins import kernels as _kernels
@@ -29,6 +29,8 @@ from polyrl.core.plugins.kernels import KERNEL_SLOTS, REFERENCE_KERNELS, one_lin
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+    from polyrl.core.attention.layouts import AttentionLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,4 +223,14 @@ class BackendCore:
         ``decode_attention_kernel``; the model's ``"polyrl"`` attention calls it for generation (KV cache)."""
         return self.kernel("decode_attention")(q, k_cache, v_cache, key_padding_mask=key_padding_mask, scale=scale,
                                                window=window, sinks=sinks)
+
+    def precompile(self, layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype],
+                   device: torch.device) -> Callable[[], str] | None:
+        """Start compiling, in the background, the kernels ``varlen_attention`` will run for these layouts
+        (polyrl.core.attention.layouts) and dtypes on ``device``, for a backend whose kernels compile on first use;
+        return a function that waits for the compiles and returns one line for the run's log. The trainer calls it
+        before it builds the task, tokenizer and models, and waits before the rollout engine is built, so the
+        compiles overlap the build instead of the first step. Must not fail a run: a compile that fails here is
+        compiled (and fails) again at its first real call. The default compiles nothing and returns None."""
+        return None
 

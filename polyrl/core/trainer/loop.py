@@ -95,6 +95,7 @@ class Trainer:
         # every sync into an engine with its own weights is checked on this probe (polyrl.core.trainer.sync)
         self.probe, self.probe_dtype = parts.probe, parts.probe_dtype
         self.engine_choice = parts.engine_choice  # which rollout engine and why (the run log's second line)
+        self.precompiled = parts.precompiled  # kernels compiled ahead of the first step, if any (logged after it)
         # algorithm.rollout_correction.enable resolved for this engine (auto: on when it has its own weights);
         # prepare_update reads the resolved settings, the run log says what was chosen
         rc = cfg.algorithm.rollout_correction
@@ -129,6 +130,8 @@ class Trainer:
         log(f"backend {self.backend.origin()}")  # the run log's first line, past the last bad input
         if self.engine_choice:
             log(self.engine_choice)
+        if self.precompiled:
+            log(self.precompiled)
         log(self.correction_choice)
         log(self.old_logprobs_choice)
         total, every, guard = self.cfg.trainer.total_steps, self.cfg.trainer.save_every, self.guard

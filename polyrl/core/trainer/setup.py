@@ -12,7 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -240,6 +240,7 @@ class Components:
     probe: list[list[int]]  # the sync probe's token sequences
     probe_dtype: str  # whose tolerance the probe uses
     engine_choice: str = ""  # which rollout engine and why (one line for the run log)
+    precompiled: str = ""  # what the backend compiled ahead of the first step (one line for the run log; "" none)
 
 
 def rollout_rows(cfg: RunConfig) -> int:
@@ -307,12 +308,40 @@ def decode_option(cfg: RunConfig, engine_name: str, backend: Backend) -> dict[st
     return {"decode": "graph", "graph_fallback": "dynamic"}
 
 
+def start_precompile(cfg: RunConfig, backend: Backend, device: torch.device) -> Callable[[], str] | None:
+    """``Backend.precompile`` with the attention layouts of the recipe's models (actor, and critic for GAE) read from
+    their configs, in the dtypes their attention runs (the model's, and the sharded compute dtype when there are
+    several processes). None when the models do not run polyrl's attention or a config cannot be read here
+    (building the model then says what is wrong)."""
+    from polyrl.core import distributed as D
+    from polyrl.core.attention.layouts import attention_layouts
+    from polyrl.core.models.build import model_config_for
+
+    if cfg.model.attn_implementation != "polyrl":
+        return None
+    names = [(cfg.model.name, dict(cfg.model.overrides))]
+    if cfg.algorithm.adv_estimator == "gae":
+        names.append((cfg.model.critic_name or cfg.model.name, {**cfg.model.overrides, **cfg.model.critic_overrides}))
+    try:
+        layouts = list(dict.fromkeys(layout for name, overrides in names
+                                     for layout in attention_layouts(model_config_for(name, overrides))))
+    except (ValueError, OSError, TypeError, KeyError):  # refused, with its message, by build_models
+        return None
+    dtypes = [torch_dtype(cfg.model.dtype, what="model.dtype")]
+    if D.get_world_size() > 1:
+        dtypes.append(torch_dtype(sharding_policy(backend, cfg.sharding).param_dtype, what="sharding.param_dtype"))
+    return backend.precompile(layouts, dtypes, device)
+
+
 def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> Components:
     """Task → tokenizer → models → resumable state → rollout engine → learners, in that order (the seeds drawn
-    while building follow it)."""
+    while building follow it). The backend's kernels for the models' attention compile meanwhile
+    (``start_precompile``), waited for before the engine is built."""
+    precompiling = start_precompile(cfg, backend, device)
     task = build_task(cfg)
     tokenizer = build_tokenizer(cfg, task)
     models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
+    precompiled = precompiling() if precompiling is not None else ""
     state = TrainerState(cfg.trainer.seed, task, build_kl_controller(cfg), backend.placement.generator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     packed = packs_documents(cfg.model.attn_implementation)
@@ -346,4 +375,4 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
                                    backend.placement.sharding_policy().param_dtype,
                                    str(getattr(engine, "dtype", cfg.model.dtype)))
     return Components(task, tokenizer, models, state, engine, rollout, actor, critic, probe, probe_dtype,
-                      engine_choice)
+                      engine_choice, precompiled)

@@ -22,7 +22,9 @@ from polyrl.backends.cuda.kernels.configs import dkdv_configs, dq_configs
 from polyrl.backends.cuda.kernels.forward import prune_rows
 
 
-@triton.jit
+# R = T * Hq is a runtime value: specialised (R % 16 == 0 or not), each batch's token count would pick one of two
+# compiled copies, and a run would compile both
+@triton.jit(do_not_specialize=["R"])
 def bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, R, stride_or, stride_dor,
                           DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
     # Rows are (token, head) flattened: o viewed as [T * Hq, Dv] with row stride ``stride_or``.

@@ -1,0 +1,173 @@
+"""``precompile``: the cuda backend's ``Backend.precompile`` — compile the Triton attention kernels a run will launch
+before its first step, several at a time.
+
+Where Triton's cache is cold (a machine's or a container's first run) every kernel compiles at its first launch,
+one after another, inside the first step: 34.1 s of the tiny DAPO recipe's 36.8 s first step on an H100
+(docs/performance.md, "Triton's compiles"). The trainer hands the model's attention layouts to the backend before it
+builds anything, and:
+
+1. in the calling thread, each layout's forward and backward run on a few tokens with launches *recorded*, not
+   made (``launch`` below, through which every attention launch goes): the same code as a real call builds the
+   same arguments, so each recorded launch is the one a real call of that layout makes;
+2. a pool of threads compiles the recorded launches with Triton's ``warmup`` (compile, no launch): the compiled
+   kernel goes into the kernel's in-memory cache under the key the real call computes, and into Triton's on-disk
+   cache. Triton's compiler spends its time in LLVM and ptxas, outside the GIL, so the compiles run side by side
+   and beside the trainer's build;
+3. the trainer waits for the pool before it builds the rollout engine (the first launches), and logs one line.
+
+No device work leaves the calling thread: the workers only compile (they set the current device, which Triton reads
+to pick its per-device cache). What the number of tokens does not change, one compile covers: the kernels take T as
+a runtime value, and head dims that are multiples of 16 give every layout of q / k / v (contiguous or the packed
+views transformers hands over) the same specialisation. A launch that still misses compiles at its call, as before.
+``POLYRL_PRECOMPILE=0`` turns it off; under ``TRITON_INTERPRET=1`` there is nothing to compile.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from polyrl.core.attention.layouts import AttentionLayout
+
+ENV = "POLYRL_PRECOMPILE"
+# the dtypes the Triton attention kernel runs (float64 goes to the reference)
+KERNEL_DTYPES = ("float32", "bfloat16", "float16")
+# tokens of the recording call: two documents, so that document bounds are exercised (any T compiles the same code)
+RECORD_TOKENS = (24, 40)
+
+# The launches recorded instead of made, while ``recording()`` is active in this thread (None: launch).
+_RECORDED: ContextVar[list[tuple[Any, Any, tuple, dict]] | None] = ContextVar("polyrl_precompile_recorded",
+                                                                              default=None)
+
+
+def launch(kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)``, or, while ``recording()``, the launch kept for compiling (not made)."""
+    recorded = _RECORDED.get()
+    if recorded is None:
+        kernel[grid](*args, **kwargs)
+    else:
+        recorded.append((kernel, grid, args, kwargs))
+
+
+@contextmanager
+def recording():
+    """Launches through ``launch`` in this thread are recorded, not made; yields the list they go into."""
+    recorded: list[tuple[Any, Any, tuple, dict]] = []
+    token = _RECORDED.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _RECORDED.reset(token)
+
+
+def compile_jobs(kernel: Any, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
+    """The (JIT function, launch keyword arguments) pairs the launch ``kernel[grid](*args, **kwargs)`` compiles:
+    the function itself, or under an autotuner the configs its ``run`` would take — the only one, unpruned, as
+    Triton's ``Autotuner.run`` takes it, or every pruned candidate, which its benchmark would compile."""
+    import triton
+
+    if not isinstance(kernel, triton.runtime.Autotuner):
+        return [(kernel, dict(kwargs))]
+    if len(kernel.configs) == 1:
+        configs = kernel.configs
+    else:
+        kernel.nargs = dict(zip(kernel.arg_names, args))
+        try:
+            configs = kernel.prune_configs(kwargs)
+        finally:
+            kernel.nargs = None
+    return [(kernel.fn, {**kwargs, **c.all_kwargs()}) for c in configs]
+
+
+def _threads(jobs: int) -> int:
+    """Compile threads: this process's share of the CPUs it may run on (the host's ranks compile side by side)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_rank = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(jobs, per_rank))
+
+
+def _record(layout: AttentionLayout, dtype: torch.dtype, device: torch.device) -> list[tuple[Any, Any, tuple, dict]]:
+    """The launches one forward + backward of ``layout`` in ``dtype`` makes (recorded, none made); [] where the
+    backend's rule runs FlashAttention-4 for it (its kernels are not Triton's)."""
+    import torch
+
+    from polyrl.backends.cuda.attention import triton_varlen_attention
+    from polyrl.backends.cuda.attention_choice import choose
+
+    T = sum(RECORD_TOKENS)
+    q = torch.zeros(T, layout.q_heads, layout.head_dim, device=device, dtype=dtype, requires_grad=True)
+    k = torch.zeros(T, layout.kv_heads, layout.head_dim, device=device, dtype=dtype, requires_grad=True)
+    v = torch.zeros(T, layout.kv_heads, layout.v_head_dim, device=device, dtype=dtype, requires_grad=True)
+    sinks = torch.zeros(layout.q_heads, device=device, dtype=dtype, requires_grad=True) if layout.sinks else None
+    if choose(q, v, layout.window, sinks).kernel != "triton":
+        return []
+    cu = torch.tensor([0, RECORD_TOKENS[0], T], device=device, dtype=torch.int32)
+    with recording() as launches:
+        out = triton_varlen_attention(q, k, v, cu, scale=layout.head_dim ** -0.5, window=layout.window, sinks=sinks)
+        out.backward(torch.zeros_like(out))
+    return launches
+
+
+def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype],
+               device: torch.device) -> Callable[[], str] | None:
+    """Record the launches of ``layouts`` x ``dtypes`` (those the Triton kernel runs) and start compiling them on a
+    thread pool; returns the function that waits for them and says what was compiled (module docstring). None
+    where there is nothing to compile: turned off, the interpreter, not a CUDA device, no layout."""
+    import torch
+
+    from polyrl.backends.cuda.kernels.configs import interpreting
+
+    if os.environ.get(ENV, "1") in ("0", "") or interpreting() or device.type != "cuda":
+        return None
+    dtypes = [d for d in dict.fromkeys(dtypes) if str(d).removeprefix("torch.") in KERNEL_DTYPES]
+    start = time.perf_counter()
+    jobs: list[tuple[Any, tuple, dict, Any]] = []
+    with torch.cuda.device(device):
+        for dtype in dtypes:
+            for layout in dict.fromkeys(layouts):
+                for kernel, grid, args, kwargs in _record(layout, dtype, device):
+                    jobs.extend((fn, args, kw, grid) for fn, kw in compile_jobs(kernel, args, kwargs))
+    if not jobs:
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    for fn in {id(fn): fn for fn, *_ in jobs}.values():
+        fn.device_caches[index]  # created here, not raced into existence by two workers
+    threads = _threads(len(jobs))
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="polyrl-precompile", initializer=torch.cuda.set_device,
+                              initargs=(index,))
+    finished: list[float] = []
+
+    def compile_one(fn: Any, args: tuple, kwargs: dict, grid: Any) -> None:
+        fn.warmup(*args, grid=grid, **kwargs)
+        finished.append(time.perf_counter())
+
+    futures: list[Future] = [pool.submit(compile_one, *job) for job in jobs]
+    pool.shutdown(wait=False)
+
+    def wait() -> str:
+        from polyrl.core.plugins.kernels import one_line
+
+        waited = time.perf_counter()
+        failed = []
+        for f in futures:
+            try:
+                f.result()
+            except Exception as exc:  # compiled again, and raised there, at the kernel's first real call
+                failed.append(one_line(exc))
+        now = time.perf_counter()
+        line = (f"precompile: {len(jobs) - len(failed)} Triton attention kernels for {len(dict.fromkeys(layouts))} "
+                f"layouts x {len(dtypes)} dtypes on {threads} threads in {max(finished, default=now) - start:.1f} s "
+                f"(the build waited {now - waited:.1f} s)")
+        if failed:
+            line += f"; {len(failed)} failed (compiled at their first call instead): {failed[0]}"
+        return line
+
+    return wait
