@@ -112,3 +112,15 @@ def test_threads_are_this_ranks_share_of_the_cpus(monkeypatch):
     assert P._threads(7) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert P._threads(7) == 1
+
+
+def test_launches_that_compile_the_same_kernel_are_one_job():
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.float16)
+    same = P._signature(_copy, (x, x, 32), {"BLOCK": 16})
+    assert P._signature(_copy, (x.clone(), x, 48), {"BLOCK": 16}) == same  # 32 and 48: both divisible by 16
+    assert P._signature(_copy, (x, x, 33), {"BLOCK": 16}) != same
+    assert P._signature(_copy, (x, x, 1), {"BLOCK": 16}) != P._signature(_copy, (x, x, 3), {"BLOCK": 16})
+    assert P._signature(_copy, (y, x, 32), {"BLOCK": 16}) != same  # dtype
+    assert P._signature(_copy, (x[1:], x, 32), {"BLOCK": 16}) != same  # alignment
+    assert P._signature(_copy, (x, x, 32), {"BLOCK": 32}) != same
+    assert P._signature(_copy, (x, x, 32.0), {"BLOCK": 16}) == P._signature(_copy, (x, x, 2.5), {"BLOCK": 16})

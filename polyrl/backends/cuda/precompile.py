@@ -87,6 +87,19 @@ def compile_jobs(kernel: Any, args: tuple, kwargs: dict) -> list[tuple[Any, dict
     return [(kernel.fn, {**kwargs, **c.all_kwargs()}) for c in configs]
 
 
+def _signature(fn: Any, args: tuple, kwargs: dict) -> tuple:
+    """What of a launch selects its compiled kernel, as Triton specialises (tensors: dtype and 16-byte alignment;
+    integers: 1, divisible by 16; the keyword arguments), or finer: two launches with the same signature compile
+    the same kernel, so it is compiled once (the backward's preprocess kernel is the same for several layouts)."""
+    def one(a: Any) -> Any:
+        if hasattr(a, "data_ptr"):
+            return str(a.dtype), a.data_ptr() % 16 == 0
+        if isinstance(a, bool) or not isinstance(a, int):
+            return type(a).__name__ if isinstance(a, float) else a
+        return a == 1, a % 16 == 0
+    return id(fn), tuple(one(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items()))
+
+
 def _threads(jobs: int) -> int:
     """Compile threads: this process's share of the CPUs it may run on (the host's ranks compile side by side)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -135,6 +148,7 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
             for layout in dict.fromkeys(layouts):
                 for kernel, grid, args, kwargs in _record(layout, dtype, device):
                     jobs.extend((fn, args, kw, grid) for fn, kw in compile_jobs(kernel, args, kwargs))
+    jobs = list({_signature(fn, args, kw): (fn, args, kw, grid) for fn, args, kw, grid in jobs}.values())
     if not jobs:
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
