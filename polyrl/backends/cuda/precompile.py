@@ -112,21 +112,34 @@ def _record(layout: AttentionLayout, dtype: torch.dtype, device: torch.device) -
     backend's rule runs FlashAttention-4 for it (its kernels are not Triton's)."""
     import torch
 
-    from polyrl.backends.cuda.attention import triton_varlen_attention
+    from polyrl.backends.cuda.attention import KernelOptions, _VarlenAttention
     from polyrl.backends.cuda.attention_choice import choose
 
     T = sum(RECORD_TOKENS)
-    q = torch.zeros(T, layout.q_heads, layout.head_dim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.zeros(T, layout.kv_heads, layout.head_dim, device=device, dtype=dtype, requires_grad=True)
-    v = torch.zeros(T, layout.kv_heads, layout.v_head_dim, device=device, dtype=dtype, requires_grad=True)
-    sinks = torch.zeros(layout.q_heads, device=device, dtype=dtype, requires_grad=True) if layout.sinks else None
+    q = torch.zeros(T, layout.q_heads, layout.head_dim, device=device, dtype=dtype)
+    k = torch.zeros(T, layout.kv_heads, layout.head_dim, device=device, dtype=dtype)
+    v = torch.zeros(T, layout.kv_heads, layout.v_head_dim, device=device, dtype=dtype)
+    sinks = torch.zeros(layout.q_heads, device=device, dtype=dtype) if layout.sinks else None
     if choose(q, v, layout.window, sinks).kernel != "triton":
         return []
     cu = torch.tensor([0, RECORD_TOKENS[0], T], device=device, dtype=torch.int32)
+    # The autograd Function's forward and backward called here, not through autograd: its engine runs a CUDA
+    # backward on a thread of its own, where this thread's recording would not be seen (the launches made).
+    ctx = _Context()
     with recording() as launches:
-        out = triton_varlen_attention(q, k, v, cu, scale=layout.head_dim ** -0.5, window=layout.window, sinks=sinks)
-        out.backward(torch.zeros_like(out))
+        out = _VarlenAttention.forward(ctx, q, k, v, cu, layout.head_dim ** -0.5, layout.window, sinks,
+                                       KernelOptions.from_env())
+        _VarlenAttention.backward(ctx, torch.zeros_like(out))
     return launches
+
+
+class _Context:
+    """What ``_VarlenAttention`` reads of autograd's ctx: saved tensors, its own fields, every input's gradient."""
+
+    needs_input_grad = (True,) * 8
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
 
 
 def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype],
