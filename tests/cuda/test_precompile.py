@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from polyrl.backends.cuda import launching as L
 from polyrl.backends.cuda import precompile as P
 from polyrl.core.attention.layouts import AttentionLayout
 
@@ -25,13 +26,13 @@ class _Kernel:
 
 def test_launch_launches_outside_recording_and_records_inside():
     kernel = _Kernel()
-    P.launch(kernel, (2,), (1, 2), {"B": 4})
+    L.launch(kernel, (2,), (1, 2), {"B": 4})
     assert kernel.calls == [((2,), (1, 2), {"B": 4})]
-    with P.recording() as recorded:
-        P.launch(kernel, (3,), (5,), {"B": 8})
+    with L.recording() as recorded:
+        L.launch(kernel, (3,), (5,), {"B": 8})
     assert kernel.calls == [((2,), (1, 2), {"B": 4})]  # not made
     assert recorded == [(kernel, (3,), (5,), {"B": 8})]
-    P.launch(kernel, (1,), (), {})  # recording is over
+    L.launch(kernel, (1,), (), {})  # recording is over
     assert len(kernel.calls) == 2
 
 
@@ -71,10 +72,10 @@ def test_compile_jobs_follow_what_the_autotuner_would_run():
 def test_every_attention_launch_of_forward_and_backward_is_recorded(monkeypatch, bwd, backward_kernels, window):
     monkeypatch.setenv("POLYRL_ATTN_BWD", bwd)
     made = []
-    real = P.launch
+    real = L.launch
 
     def spy(kernel, grid, args, kwargs):  # what would be launched for real (none while recording)
-        if P._RECORDED.get() is None:
+        if L._RECORDED.get() is None:
             made.append(kernel)
         real(kernel, grid, args, kwargs)
 

@@ -44,7 +44,8 @@ def test_every_part_method_is_a_backend_method_and_the_core_stays_small():
             assert callable(getattr(Backend, name)), (part, name)
     core = {n for n, v in vars(Backend.__mro__[1]).items() if callable(v) and not n.startswith("_")}
     assert core == {"detect", "availability", "kernel_paths", "declaration_problems", "device", "bind_device",
-                    "kernel", "varlen_attention", "logprobs", "linear_logprobs", "experts", "decode_attention"}
+                    "kernel", "varlen_attention", "logprobs", "linear_logprobs", "experts", "decode_attention",
+                    "precompile"}
 
 
 @pytest.mark.parametrize(("cls", "refused"), [(Plain, ()), (OldStyle, (5,)), (NewStyle, (7,))])

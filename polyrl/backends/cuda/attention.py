@@ -44,8 +44,8 @@ from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd
 from polyrl.backends.cuda.kernels.backward_fused import attn_bwd_fused_kernel
 from polyrl.backends.cuda.kernels.configs import measured_pick, table_configs
 from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel, prune_rows
+from polyrl.backends.cuda.launching import launch
 from polyrl.backends.cuda.per_batch import LastBatch
-from polyrl.backends.cuda.precompile import launch
 from polyrl.core.errors import BadInputError
 
 LOG2E = 1.4426950408889634

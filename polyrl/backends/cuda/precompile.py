@@ -7,8 +7,8 @@ one after another, inside the first step: 34.1 s of the tiny DAPO recipe's 36.8 
 builds anything, and:
 
 1. in the calling thread, each layout's forward and backward run on a few tokens with launches *recorded*, not
-   made (``launch`` below, through which every attention launch goes): the same code as a real call builds the
-   same arguments, so each recorded launch is the one a real call of that layout makes;
+   made (polyrl.backends.cuda.launching, through which every attention launch goes): the same code as a real call
+   builds the same arguments, so each recorded launch is the one a real call of that layout makes;
 2. a pool of threads compiles the recorded launches with Triton's ``warmup`` (compile, no launch): the compiled
    kernel goes into the kernel's in-memory cache under the key the real call computes, and into Triton's on-disk
    cache. Triton's compiler spends its time in LLVM and ptxas, outside the GIL, so the compiles run side by side
@@ -28,9 +28,9 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
+
+from polyrl.backends.cuda.launching import recording
 
 if TYPE_CHECKING:
     import torch
@@ -42,31 +42,6 @@ ENV = "POLYRL_PRECOMPILE"
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 # tokens of the recording call: two documents, so that document bounds are exercised (any T compiles the same code)
 RECORD_TOKENS = (24, 40)
-
-# The launches recorded instead of made, while ``recording()`` is active in this thread (None: launch).
-_RECORDED: ContextVar[list[tuple[Any, Any, tuple, dict]] | None] = ContextVar("polyrl_precompile_recorded",
-                                                                              default=None)
-
-
-def launch(kernel: Any, grid: Any, args: tuple, kwargs: dict) -> None:
-    """``kernel[grid](*args, **kwargs)``, or, while ``recording()``, the launch kept for compiling (not made)."""
-    recorded = _RECORDED.get()
-    if recorded is None:
-        kernel[grid](*args, **kwargs)
-    else:
-        recorded.append((kernel, grid, args, kwargs))
-
-
-@contextmanager
-def recording():
-    """Launches through ``launch`` in this thread are recorded, not made; yields the list they go into."""
-    recorded: list[tuple[Any, Any, tuple, dict]] = []
-    token = _RECORDED.set(recorded)
-    try:
-        yield recorded
-    finally:
-        _RECORDED.reset(token)
-
 
 def compile_jobs(kernel: Any, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
     """The (JIT function, launch keyword arguments) pairs the launch ``kernel[grid](*args, **kwargs)`` compiles:

@@ -8,21 +8,11 @@ of tokens never does (the kernels take it as a runtime value). Hardware-free; im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
+from polyrl.core.plugins.kernels import AttentionLayout
 
-@dataclass(frozen=True)
-class AttentionLayout:
-    """One layer's call of ``varlen_attention``: q [T, q_heads, head_dim], k [T, kv_heads, head_dim],
-    v [T, kv_heads, v_head_dim]; ``window`` keys (None: full causal); learnable ``sinks`` or none."""
-
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    window: int | None = None
-    sinks: bool = False
+__all__ = ["AttentionLayout", "attention_layouts"]
 
 
 def attention_layouts(config: Any) -> list[AttentionLayout]:

@@ -31,6 +31,7 @@ from polyrl.core.plugins.backend import (
     ShardingPolicy,
 )
 from polyrl.core.plugins.hookspecs import hookimpl, hookspec
+from polyrl.core.plugins.kernels import AttentionLayout
 from polyrl.core.plugins.registry import (
     ENTRY_POINT_GROUP,
     ENTRY_POINT_GROUPS,
@@ -66,6 +67,7 @@ def unregister_plugin(name: str) -> None:
 
 __all__ = [
     "CAPABILITIES",
+    "AttentionLayout",
     "ENTRY_POINT_GROUP",
     "ENTRY_POINT_GROUPS",
     "KERNELS",

@@ -9,6 +9,7 @@ unloaded while ``polyrl backends`` runs) and imported only when a kernel first r
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -30,6 +31,21 @@ REFERENCE_KERNELS: dict[str, str] = {
     "experts": "polyrl.core.models.experts:reference_experts",
     "decode_attention": "polyrl.core.attention.reference:reference_decode_attention",
 }
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayout:
+    """One layer's call of the varlen attention kernel, what ``Backend.precompile`` is handed: q [T, q_heads,
+    head_dim], k [T, kv_heads, head_dim], v [T, kv_heads, v_head_dim]; ``window`` keys (None: full causal);
+    learnable ``sinks`` or none. The token count T is never part of it. A model's layouts:
+    ``polyrl.core.attention.layouts.attention_layouts(config)``."""
+
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    window: int | None = None
+    sinks: bool = False
+
 
 def one_line(exc: BaseException) -> str:
     """``"TypeError: first line of the message"``: how a plugin's error is reported."""

@@ -24,13 +24,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from polyrl.core.plugins import kernels as _kernels
-from polyrl.core.plugins.kernels import KERNEL_SLOTS, REFERENCE_KERNELS, one_line, static_kernel_problem
+from polyrl.core.plugins.kernels import (
+    KERNEL_SLOTS,
+    REFERENCE_KERNELS,
+    AttentionLayout,
+    one_line,
+    static_kernel_problem,
+)
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-    from polyrl.core.attention.layouts import AttentionLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,7 +231,7 @@ class BackendCore:
     def precompile(self, layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype],
                    device: torch.device) -> Callable[[], str] | None:
         """Start compiling, in the background, the kernels ``varlen_attention`` will run for these layouts
-        (polyrl.core.attention.layouts) and dtypes on ``device``, for a backend whose kernels compile on first use;
+        (polyrl.core.plugins.kernels.AttentionLayout) and dtypes on ``device``, for a backend whose kernels compile on first use;
         return a function that waits for the compiles and returns one line for the run's log. The trainer calls it
         before it builds the task, tokenizer and models, and waits before the rollout engine is built, so the
         compiles overlap the build instead of the first step. Must not fail a run: a compile that fails here is
