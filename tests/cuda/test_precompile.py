@@ -4,6 +4,8 @@ an autotuned launch compiles what Triton's ``Autotuner.run`` would; nothing is s
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import triton
@@ -125,3 +127,15 @@ def test_launches_that_compile_the_same_kernel_are_one_job():
     assert P._signature(_copy, (x[1:], x, 32), {"BLOCK": 16}) != same  # alignment
     assert P._signature(_copy, (x, x, 32), {"BLOCK": 32}) != same
     assert P._signature(_copy, (x, x, 32.0), {"BLOCK": 16}) == P._signature(_copy, (x, x, 2.5), {"BLOCK": 16})
+
+
+def test_a_recording_that_fails_ends_in_a_log_line_not_the_run(monkeypatch):
+    monkeypatch.setattr("polyrl.backends.cuda.kernels.configs.interpreting", lambda: False)
+
+    def broken(layout, dtype, device):
+        raise RuntimeError("no kernel for this\nsecond line")
+
+    monkeypatch.setattr(P, "_record", broken)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    wait = P.precompile([AttentionLayout(4, 2, 32, 32)], [torch.float32], torch.device("cuda", 0))
+    assert wait() == "precompile: not done (RuntimeError: no kernel for this); the kernels compile at their first call"

@@ -43,6 +43,7 @@ KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 # tokens of the recording call: two documents, so that document bounds are exercised (any T compiles the same code)
 RECORD_TOKENS = (24, 40)
 
+
 def compile_jobs(kernel: Any, args: tuple, kwargs: dict) -> list[tuple[Any, dict]]:
     """The (JIT function, launch keyword arguments) pairs the launch ``kernel[grid](*args, **kwargs)`` compiles:
     the function itself, or under an autotuner the configs its ``run`` would take — the only one, unpruned, as
@@ -128,14 +129,20 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
 
     if os.environ.get(ENV, "1") in ("0", "") or interpreting() or device.type != "cuda":
         return None
+    from polyrl.core.plugins.kernels import one_line
+
     dtypes = [d for d in dict.fromkeys(dtypes) if str(d).removeprefix("torch.") in KERNEL_DTYPES]
     start = time.perf_counter()
     jobs: list[tuple[Any, tuple, dict, Any]] = []
-    with torch.cuda.device(device):
-        for dtype in dtypes:
-            for layout in dict.fromkeys(layouts):
-                for kernel, grid, args, kwargs in _record(layout, dtype, device):
-                    jobs.extend((fn, args, kw, grid) for fn, kw in compile_jobs(kernel, args, kwargs))
+    try:
+        with torch.cuda.device(device):
+            for dtype in dtypes:
+                for layout in dict.fromkeys(layouts):
+                    for kernel, grid, args, kwargs in _record(layout, dtype, device):
+                        jobs.extend((fn, args, kw, grid) for fn, kw in compile_jobs(kernel, args, kwargs))
+    except Exception as exc:  # never the run's end: the kernels compile at their first call, as without this
+        reason = one_line(exc)
+        return lambda: f"precompile: not done ({reason}); the kernels compile at their first call"
     jobs = list({_signature(fn, args, kw): (fn, args, kw, grid) for fn, args, kw, grid in jobs}.values())
     if not jobs:
         return None
@@ -155,8 +162,6 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
     pool.shutdown(wait=False)
 
     def wait() -> str:
-        from polyrl.core.plugins.kernels import one_line
-
         waited = time.perf_counter()
         failed = []
         for f in futures:
@@ -172,4 +177,6 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
             line += f"; {len(failed)} failed (compiled at their first call instead): {failed[0]}"
         return line
 
+    # a build that fails before it waits drops the compiles not started (the process's exit would wait for them)
+    wait.cancel = lambda: pool.shutdown(wait=False, cancel_futures=True)  # type: ignore[attr-defined]
     return wait

@@ -338,9 +338,13 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
     while building follow it). The backend's kernels for the models' attention compile meanwhile
     (``start_precompile``), waited for before the engine is built."""
     precompiling = start_precompile(cfg, backend, device)
-    task = build_task(cfg)
-    tokenizer = build_tokenizer(cfg, task)
-    models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
+    try:
+        task = build_task(cfg)
+        tokenizer = build_tokenizer(cfg, task)
+        models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
+    except BaseException:
+        getattr(precompiling, "cancel", lambda: None)()  # the compiles not started yet are not waited for at exit
+        raise
     precompiled = precompiling() if precompiling is not None else ""
     state = TrainerState(cfg.trainer.seed, task, build_kl_controller(cfg), backend.placement.generator)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
