@@ -51,3 +51,26 @@ def test_nothing_for_other_attention_or_a_model_that_cannot_be_read():
 def test_the_default_backend_compiles_nothing_ahead():
     cfg = load_config(RECIPES / "gpt_oss_dapo_tiny.yaml")
     assert start_precompile(cfg, CpuBackend(), torch.device("cpu")) is None
+
+
+def test_a_build_that_fails_drops_the_compiles_not_started(monkeypatch):
+    import pytest
+
+    from polyrl.core.trainer import setup
+
+    dropped = []
+
+    def started(*args):
+        def wait():
+            raise AssertionError("waited for after a failed build")
+        wait.cancel = lambda: dropped.append(True)
+        return wait
+
+    def failing_task(cfg):
+        raise ValueError("task refused")
+
+    monkeypatch.setattr(setup, "start_precompile", started)
+    monkeypatch.setattr(setup, "build_task", failing_task)
+    with pytest.raises(ValueError, match="task refused"):
+        setup.build_components(load_config(RECIPES / "gpt_oss_dapo_tiny.yaml"), CpuBackend(), torch.device("cpu"))
+    assert dropped == [True]
