@@ -16,7 +16,12 @@ from polyrl.core.plugins.backend import Availability, Backend, ShardingPolicy
 from polyrl.core.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import torch
+
     from polyrl.core.compat import Compatibility
+    from polyrl.core.plugins.kernels import AttentionLayout
 
 
 class CudaBackend(Backend):
@@ -68,7 +73,8 @@ class CudaBackend(Backend):
             # GPT-OSS's experts and sinks (written without a weight_loader): 0.079 nats off after one sync
         }
 
-    def precompile(self, layouts, dtypes, device):
+    def precompile(self, layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype],
+                   device: torch.device) -> Callable[[], str] | None:
         """The Triton attention kernels of these layouts compiled on a thread pool while the trainer builds
         (polyrl.backends.cuda.precompile; POLYRL_PRECOMPILE=0: not)."""
         from polyrl.backends.cuda.precompile import precompile

@@ -32,6 +32,7 @@ REFERENCE_KERNELS: dict[str, str] = {
     "decode_attention": "polyrl.core.attention.reference:reference_decode_attention",
 }
 
+
 @dataclasses.dataclass(frozen=True)
 class AttentionLayout:
     """One layer's call of the varlen attention kernel, what ``Backend.precompile`` is handed: q [T, q_heads,

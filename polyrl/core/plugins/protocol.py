@@ -231,10 +231,10 @@ class BackendCore:
     def precompile(self, layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype],
                    device: torch.device) -> Callable[[], str] | None:
         """Start compiling, in the background, the kernels ``varlen_attention`` will run for these layouts
-        (polyrl.core.plugins.kernels.AttentionLayout) and dtypes on ``device``, for a backend whose kernels compile on first use;
-        return a function that waits for the compiles and returns one line for the run's log. The trainer calls it
-        before it builds the task, tokenizer and models, and waits before the rollout engine is built, so the
-        compiles overlap the build instead of the first step. Must not fail a run: a compile that fails here is
+        (``AttentionLayout``: head counts, head dims, window, sinks) and dtypes on ``device``, for a backend whose
+        kernels compile on first use; return a function that waits for the compiles and returns one line for the
+        run's log (it may have a ``cancel()``, which the trainer calls instead when its build fails). The trainer
+        calls this before it builds the task, tokenizer and models, and waits before the rollout engine is built, so
+        the compiles overlap the build instead of the first step. Must not fail a run: a compile that fails here is
         compiled (and fails) again at its first real call. The default compiles nothing and returns None."""
         return None
-
