@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from polyrl.core.models import experts as E
+
 SHAPES = {  # name -> (rows, width, experts)
     "tiny": [(5120, 128, 4), (5120, 64, 4)],
     "20b": [(65536, 5760, 32), (65536, 2880, 32)],
@@ -34,23 +36,22 @@ SHAPES = {  # name -> (rows, width, experts)
 
 
 def _sums(experts: int):
-    """Row name -> f(grad [S, W] float32, expert_ids [S] sorted) -> [experts, W] float32."""
-    from polyrl.core.models import experts as E
-
+    """Row name -> f(grad [S, W] float32, expert_ids [S] sorted, ends: their ``expert_ends``) -> [experts, W]
+    float32 (polyrl's and the bare segmented sum get the forward's end rows, as grouped_experts hands them over)."""
     _, bias_gather = E._gathers()
     graph = []  # the bias and its gathered rows: the forward once (per shape), the backward timed
 
-    def polyrl(grad, ids):
+    def polyrl(grad, ids, ends):
         if not graph:
             bias = torch.zeros(experts, grad.shape[1], device=grad.device, requires_grad=True)
-            graph.extend((bias, bias_gather.apply(bias, ids)))
+            graph.extend((bias, bias_gather.apply(bias, ids, ends)))
         bias, gathered = graph
         return torch.autograd.grad(gathered, bias, grad, retain_graph=True)[0]
 
-    def index_put(grad, ids):
+    def index_put(grad, ids, ends):
         return grad.new_zeros(experts, grad.shape[1]).index_put_((ids,), grad, accumulate=True)
 
-    def index_add_det(grad, ids):
+    def index_add_det(grad, ids, ends):
         before = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True)
         try:
@@ -58,10 +59,10 @@ def _sums(experts: int):
         finally:
             torch.use_deterministic_algorithms(before)
 
-    def segment(grad, ids):
-        return E.segment_sums(grad, ids, experts)
+    def segment(grad, ids, ends):
+        return E.segment_sums(grad, ends)
 
-    def onehot(grad, ids):
+    def onehot(grad, ids, ends):
         return torch.nn.functional.one_hot(ids, experts).to(grad.dtype).t() @ grad
 
     return {"polyrl": polyrl, "index_put": index_put, "index_add_det": index_add_det, "segment": segment,
@@ -97,12 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         for rows, width, experts in SHAPES[shape]:
             ids = torch.sort(torch.randint(0, experts, (rows,), generator=gen))[0].to(device)
             grad = torch.randn(rows, width, generator=gen).to(device)
+            ends = E.expert_ends(ids, experts)
             row = {"shape": shape, "rows": rows, "width": width, "experts": experts}
             sums = _sums(experts)
-            ref = sums["polyrl"](grad, ids)
+            ref = sums["polyrl"](grad, ids, ends)
             for name, fn in sums.items():
-                out = fn(grad, ids)
-                ms = _time(lambda fn=fn, grad=grad, ids=ids: fn(grad, ids), sync, args.reps) * 1e3
+                out = fn(grad, ids, ends)
+                ms = _time(lambda fn=fn, grad=grad, ids=ids, ends=ends: fn(grad, ids, ends), sync, args.reps) * 1e3
                 row[name] = {"ms": ms, "equal_to_polyrl": bool(torch.equal(out, ref)),
                              "max_abs_diff": float((out - ref).abs().max())}
             results.append(row)

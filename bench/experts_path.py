@@ -33,7 +33,7 @@ def _bias_gathers(name: str, bias_grad):
 
     class BiasGather(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, bias, expert_ids):
+        def forward(ctx, bias, expert_ids, ends):
             ctx.save_for_backward(expert_ids)
             ctx.experts, ctx.bias_dtype = bias.shape[0], bias.dtype
             return bias.index_select(0, expert_ids)
@@ -41,7 +41,7 @@ def _bias_gathers(name: str, bias_grad):
         @staticmethod
         def backward(ctx, grad):
             (expert_ids,) = ctx.saved_tensors
-            return bias_grad(grad.float(), expert_ids, ctx.experts).to(ctx.bias_dtype), None
+            return bias_grad(grad.float(), expert_ids, ctx.experts).to(ctx.bias_dtype), None, None
 
     BiasGather.__name__ = BiasGather.__qualname__ = name
     return row_gather, BiasGather

@@ -128,24 +128,24 @@ def _gathers():
         shapes (docs/performance.md)."""
 
         @staticmethod
-        def forward(ctx, bias, expert_ids):
-            ctx.save_for_backward(expert_ids)
+        def forward(ctx, bias, expert_ids, ends):
+            ctx.save_for_backward(expert_ids, ends)
             ctx.bias_shape, ctx.bias_dtype = bias.shape, bias.dtype
             return bias.index_select(0, expert_ids)
 
         @staticmethod
         def backward(ctx, grad):
-            (expert_ids,) = ctx.saved_tensors
+            expert_ids, ends = ctx.saved_tensors
             acc_dtype = torch.promote_types(ctx.bias_dtype, torch.float32)
             if torch.are_deterministic_algorithms_enabled():
                 acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype).index_add_(0, expert_ids, grad.to(acc_dtype))
-                return acc.to(ctx.bias_dtype), None
+                return acc.to(ctx.bias_dtype), None, None
             try:
-                acc = segment_sums(grad.to(acc_dtype), expert_ids, ctx.bias_shape[0])
+                acc = segment_sums(grad.to(acc_dtype), ends)
             except NotImplementedError:
                 acc = grad.new_zeros(ctx.bias_shape, dtype=acc_dtype)
                 acc.index_put_((expert_ids,), grad.to(acc_dtype), accumulate=True)
-            return acc.to(ctx.bias_dtype), None
+            return acc.to(ctx.bias_dtype), None, None
 
     return RowGather, BiasGather
 
@@ -153,14 +153,24 @@ def _gathers():
 _GATHERS = None
 
 
-def segment_sums(rows: torch.Tensor, expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """``[experts, width]``: each expert's rows of ``rows [S, width]`` summed in row order, ``expert_ids [S]``
-    sorted ascending, so each expert's rows are one contiguous run (``torch.segment_reduce`` over the run bounds;
-    an expert without rows sums to 0). NotImplementedError where torch has no kernel for the device."""
+def expert_ends(expert_ids: torch.Tensor, experts: int) -> torch.Tensor:
+    """Each expert's end row in ``expert_ids [S]`` sorted ascending (int32 [experts]: expert e's rows are
+    ``ends[e - 1] <= row < ends[e]``): transformers' cumsum of a histc, exactly (integers), without its per-device
+    histc dtype; no host read, so a device graph can capture it."""
     import torch
 
-    bounds = torch.arange(experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
-    offsets = torch.searchsorted(expert_ids, bounds)  # expert e's rows: offsets[e] <= row < offsets[e + 1]
+    bounds = torch.arange(1, experts + 1, device=expert_ids.device, dtype=expert_ids.dtype)
+    return torch.searchsorted(expert_ids, bounds, out_int32=True)
+
+
+def segment_sums(rows: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``[experts, width]``: each expert's rows of ``rows [S, width]`` (grouped by expert) summed in row order,
+    ``ends`` the experts' end rows (``expert_ends``), so each expert's rows are one contiguous run
+    (``torch.segment_reduce`` over the run bounds; an expert without rows sums to 0). NotImplementedError where
+    torch has no kernel for the device."""
+    import torch
+
+    offsets = torch.cat([ends.new_zeros(1), ends])  # expert e's rows: offsets[e] <= row < offsets[e + 1]
     return torch.segment_reduce(rows, "sum", offsets=offsets, axis=0, unsafe=True, initial=0.0)
 
 
@@ -177,9 +187,9 @@ def _gather_rows(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, fa
     return _GATHERS[0].apply(x, index, inverse, fan_out)
 
 
-def _gather_bias(bias: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-    """``bias[expert_ids]`` for ``expert_ids`` sorted ascending, with a deterministic float32 backward (see
-    BiasGather)."""
+def _gather_bias(bias: torch.Tensor, expert_ids: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """``bias[expert_ids]`` for ``expert_ids`` sorted ascending (``ends``: its ``expert_ends``), with a
+    deterministic float32 backward (see BiasGather)."""
     import torch
 
     global _GATHERS
@@ -187,7 +197,7 @@ def _gather_bias(bias: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         return bias.index_select(0, expert_ids)
     if _GATHERS is None:
         _GATHERS = _gathers()
-    return _GATHERS[1].apply(bias, expert_ids)
+    return _GATHERS[1].apply(bias, expert_ids, ends)
 
 
 def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -224,17 +234,14 @@ def grouped_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     rows = _gather_rows(hidden_states, perm // k, inv_perm, k)  # pair j of token t is row inv_perm[t * k + j]
     weights_g = _gather_rows(top_k_weights.reshape(-1), perm, inv_perm)
 
-    # Each expert's end row in the sorted pairs: transformers' cumsum of a histc, exactly (integers), without its
-    # per-device histc dtype; no host read, so a device graph can capture it.
-    bounds = torch.arange(1, module.num_experts + 1, device=expert_ids_g.device, dtype=expert_ids_g.dtype)
-    offsets = torch.searchsorted(expert_ids_g, bounds, out_int32=True)
+    offsets = expert_ends(expert_ids_g, module.num_experts)  # the grouped matmuls' and the bias gradients' runs
 
     first = module.gate_up_proj if module.has_gate else module.up_proj
     first_bias = (module.gate_up_proj_bias if module.has_gate else module.up_proj_bias) if module.has_bias else None
     out = _grouped_linear(rows, first, offsets, is_transposed=module.is_transposed,
-                          bias=None if first_bias is None else _gather_bias(first_bias, expert_ids_g))
+                          bias=None if first_bias is None else _gather_bias(first_bias, expert_ids_g, offsets))
     out = module._apply_gate(out) if module.has_gate else module.act_fn(out)
-    down_bias = _gather_bias(module.down_proj_bias, expert_ids_g) if module.has_bias else None
+    down_bias = _gather_bias(module.down_proj_bias, expert_ids_g, offsets) if module.has_bias else None
     out = _grouped_linear(out, module.down_proj, offsets, bias=down_bias, is_transposed=module.is_transposed)
     out = out * weights_g.unsqueeze(-1)
     out = _gather_rows(out, inv_perm, perm)  # back to (token, slot) order
