@@ -8,6 +8,10 @@ that warms (the OS page cache, byte code) favours neither; the first run also pa
 
     python bench/cold_start.py                                  # tiny DAPO, 8 steps, off / on twice
     python bench/cold_start.py --recipe polyrl/recipes/deepseek_ppo_tiny.yaml --pairs 1 --steps 5
+    python bench/cold_start.py --pairs 1 --steps 3 --threads 1 2 4   # and precompile on 1, 2, 4 threads
+
+With ``--threads``, one more run per count, precompile on with ``POLYRL_PRECOMPILE_THREADS`` set: the log line's
+slowest compile and sum of compiles against the thread count tell one slow kernel from contention.
 
 Prints a table, the ratio of the means (on / off) of first step and wall, and writes bench/results/cold_start.json.
 """
@@ -27,11 +31,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_once(recipe: str, steps: int, precompile: bool, seed: int, backend: str) -> dict:
+def run_once(recipe: str, steps: int, precompile: bool, seed: int, backend: str, threads: int | None = None) -> dict:
     """One ``polyrl run`` with an empty Triton cache; its wall, step times, compiled kernels and log line."""
     with tempfile.TemporaryDirectory(prefix="polyrl_cold_") as tmp:
         cache, out = Path(tmp) / "triton", Path(tmp) / "run"
         env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "POLYRL_PRECOMPILE": "1" if precompile else "0"}
+        env.pop("POLYRL_PRECOMPILE_THREADS", None)
+        if threads:
+            env["POLYRL_PRECOMPILE_THREADS"] = str(threads)
         cmd = [sys.executable, "-m", "polyrl", "run", recipe, "--backend", backend, "--output", str(out),
                "--seed", str(seed), "--no-progress", f"trainer.total_steps={steps}", f"trainer.save_every={steps}"]
         start = time.perf_counter()
@@ -42,7 +49,7 @@ def run_once(recipe: str, steps: int, precompile: bool, seed: int, backend: str)
         step_s = [r["time/step_s"] for r in rows if "time/step_s" in r]
         log = proc.stdout + proc.stderr
         return {
-            "precompile": precompile, "rc": proc.returncode, "wall_s": round(wall, 2),
+            "precompile": precompile, "threads": threads, "rc": proc.returncode, "wall_s": round(wall, 2),
             "first_step_s": round(step_s[0], 3) if step_s else None,
             "later_step_median_s": round(statistics.median(step_s[1:]), 4) if len(step_s) > 1 else None,
             "cubins": sum(1 for _ in cache.rglob("*.cubin")),
@@ -63,22 +70,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=2, help="off / on pairs after the first (warming) run")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, nargs="*", default=[],
+                    help="after the pairs, one precompile-on run per thread count (POLYRL_PRECOMPILE_THREADS)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "cold_start.json"))
     args = ap.parse_args(argv)
 
-    order = [False] + [p for _ in range(args.pairs) for p in (False, True)]
+    order = [(False, None)] + [(p, None) for _ in range(args.pairs) for p in (False, True)]
+    order += [(True, n) for n in args.threads]
     rows = []
     print(f"{'run':>4} {'precompile':>10} {'rc':>3} {'wall s':>7} {'step 1 s':>9} {'later s':>8} {'cubins':>6}  log line",
           flush=True)
-    for i, on in enumerate(order):
-        r = run_once(args.recipe, args.steps, on, args.seed, args.backend)
+    for i, (on, threads) in enumerate(order):
+        r = run_once(args.recipe, args.steps, on, args.seed, args.backend, threads)
         r["run"] = i
         rows.append(r)
-        print(f"{i:>4} {'on' if on else 'off':>10} {r['rc']:>3} {r['wall_s']:>7} {r['first_step_s']!s:>9} "
+        print(f"{i:>4} {('on' if on else 'off') + (f' x{threads}' if threads else ''):>10} {r['rc']:>3} {r['wall_s']:>7} {r['first_step_s']!s:>9} "
               f"{r['later_step_median_s']!s:>8} {r['cubins']:>6}  {r['precompile_line'] or '-'}", flush=True)
         if r["tail"]:
             print(r["tail"], flush=True)
-    measured = rows[1:]  # the first run also warms the machine
+    measured = [r for r in rows[1:] if not r["threads"]]  # the first run also warms the machine
     off = [r for r in measured if not r["precompile"]]
     on = [r for r in measured if r["precompile"]]
     summary = {}

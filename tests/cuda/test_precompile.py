@@ -4,7 +4,10 @@ an autotuned launch compiles what Triton's ``Autotuner.run`` would; nothing is s
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import re
+import time
 
 import pytest
 import torch
@@ -115,6 +118,11 @@ def test_threads_are_this_ranks_share_of_the_cpus(monkeypatch):
     assert P._threads(7) == 2
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
     assert P._threads(7) == 1
+    monkeypatch.setenv(P.THREADS_ENV, "3")
+    assert P._threads(7) == 3 and P._threads(2) == 2
+    monkeypatch.setenv(P.THREADS_ENV, "many")
+    with pytest.raises(ValueError, match="POLYRL_PRECOMPILE_THREADS='many'"):
+        P._threads(7)
 
 
 def test_launches_that_compile_the_same_kernel_are_one_job():
@@ -139,3 +147,28 @@ def test_a_recording_that_fails_ends_in_a_log_line_not_the_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     wait = P.precompile([AttentionLayout(4, 2, 32, 32)], [torch.float32], torch.device("cuda", 0))
     assert wait() == "precompile: not done (RuntimeError: no kernel for this); the kernels compile at their first call"
+
+
+class _SlowKernel:
+    """A stand-in JIT function: ``warmup`` takes ``seconds`` (what Triton's compile would)."""
+
+    def __init__(self, name, seconds):
+        self.__name__, self.seconds, self.device_caches = name, seconds, collections.defaultdict(dict)
+
+    def warmup(self, *args, grid, **kwargs):
+        time.sleep(self.seconds)
+
+
+def test_the_log_line_names_the_slowest_compile_and_the_sum(monkeypatch):
+    monkeypatch.setattr("polyrl.backends.cuda.kernels.configs.interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setenv(P.THREADS_ENV, "2")
+    fast, slow = _SlowKernel("fast_kernel", 0.05), _SlowKernel("slow_kernel", 0.3)
+    monkeypatch.setattr(P, "_record", lambda layout, dtype, device: [(fast, (1,), (3,), {}), (slow, (1,), (5,), {})])
+    wait = P.precompile([AttentionLayout(4, 2, 32, 32)], [torch.float32], torch.device("cuda", 0))
+    line = wait()
+    assert line.startswith("precompile: 2 Triton attention kernels for 1 layouts x 1 dtypes on 2 threads in ")
+    slowest = re.search(r"slowest (\w+) ([\d.]+) s, all compiles together ([\d.]+) s$", line)
+    assert slowest and slowest.group(1) == "slow_kernel", line
+    assert float(slowest.group(2)) >= 0.29 and float(slowest.group(3)) >= 0.34, line

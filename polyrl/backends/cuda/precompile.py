@@ -19,7 +19,9 @@ No device work leaves the calling thread: the workers only compile (they set the
 to pick its per-device cache). What the number of tokens does not change, one compile covers: the kernels take T as
 a runtime value, and head dims that are multiples of 16 give every layout of q / k / v (contiguous or the packed
 views transformers hands over) the same specialisation. A launch that still misses compiles at its call, as before.
-``POLYRL_PRECOMPILE=0`` turns it off; under ``TRITON_INTERPRET=1`` there is nothing to compile.
+``POLYRL_PRECOMPILE=0`` turns it off; ``POLYRL_PRECOMPILE_THREADS=N`` caps the threads (default: this rank's share
+of the CPUs); under ``TRITON_INTERPRET=1`` there is nothing to compile. The log line names the slowest compile and
+the sum of all, so that a run shows whether one kernel or the threads' contention bounds the wall.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from polyrl.core.attention.layouts import AttentionLayout
 
 ENV = "POLYRL_PRECOMPILE"
+THREADS_ENV = "POLYRL_PRECOMPILE_THREADS"
 # the dtypes the Triton attention kernel runs (float64 goes to the reference)
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")
 # tokens of the recording call: two documents, so that document bounds are exercised (any T compiles the same code)
@@ -77,7 +80,14 @@ def _signature(fn: Any, args: tuple, kwargs: dict) -> tuple:
 
 
 def _threads(jobs: int) -> int:
-    """Compile threads: this process's share of the CPUs it may run on (the host's ranks compile side by side)."""
+    """Compile threads: this process's share of the CPUs it may run on (the host's ranks compile side by side), or
+    ``POLYRL_PRECOMPILE_THREADS`` where set; never more than the jobs."""
+    cap = os.environ.get(THREADS_ENV, "")
+    if cap.strip():
+        try:
+            return max(1, min(jobs, int(cap)))
+        except ValueError:
+            raise ValueError(f"{THREADS_ENV}={cap!r}: not a whole number of threads") from None
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_rank = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(jobs, per_rank))
@@ -153,10 +163,13 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
     pool = ThreadPoolExecutor(threads, thread_name_prefix="polyrl-precompile", initializer=torch.cuda.set_device,
                               initargs=(index,))
     finished: list[float] = []
+    took: list[tuple[float, str]] = []  # each compile's own wall, with its kernel's name
 
     def compile_one(fn: Any, args: tuple, kwargs: dict, grid: Any) -> None:
+        t0 = time.perf_counter()
         fn.warmup(*args, grid=grid, **kwargs)
         finished.append(time.perf_counter())
+        took.append((finished[-1] - t0, getattr(fn, "__name__", type(fn).__name__)))
 
     futures: list[Future] = [pool.submit(compile_one, *job) for job in jobs]
     pool.shutdown(wait=False)
@@ -173,6 +186,9 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
         line = (f"precompile: {len(jobs) - len(failed)} Triton attention kernels for {len(dict.fromkeys(layouts))} "
                 f"layouts x {len(dtypes)} dtypes on {threads} threads in {max(finished, default=now) - start:.1f} s "
                 f"(the build waited {now - waited:.1f} s)")
+        if took:
+            slow, name = max(took)
+            line += f"; slowest {name} {slow:.1f} s, all compiles together {sum(t for t, _ in took):.1f} s"
         if failed:
             line += f"; {len(failed)} failed (compiled at their first call instead): {failed[0]}"
         return line
