@@ -248,9 +248,9 @@ def test_config_table_covers_every_kernel_and_head_dim():
 
 
 def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monkeypatch):
-    """HOPPER_PICKS: dQ at head dim <= 64 without a window takes its measured config on compute capability 9.x;
-    every other launch (a window, larger heads, another kernel, another GPU, autotuning, the interpreter) runs the
-    kernel's first config through its autotuner as before."""
+    """HOPPER_PICKS: dQ and dK/dV at head dim <= 64 without a window take their measured configs on compute
+    capability 9.x; every other launch (a window, larger heads, another kernel, another GPU, autotuning, the
+    interpreter) runs the kernel's first config through its autotuner as before."""
     import polyrl.backends.cuda.attention as A
     from polyrl.backends.cuda.kernels import configs as C
 
@@ -260,8 +260,11 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     pick = C.measured_pick("dq", 64, 64, False, (9, 0))
     assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 256, "BLOCK_N": 64}, 8, 3)
     assert C.measured_pick("dq", 32, 32, False, (9, 0)) is not None  # head-dim class 64
+    pick = C.measured_pick("dkdv", 64, 64, False, (9, 0))
+    assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 128}, 8, 1)
     for args in (("dq", 64, 64, True, (9, 0)), ("dq", 128, 128, False, (9, 0)), ("dq", 192, 128, False, (9, 0)),
-                 ("dkdv", 64, 64, False, (9, 0)), ("fwd", 64, 64, False, (9, 0)), ("dq", 64, 64, False, (8, 0)),
+                 ("dkdv", 64, 64, True, (9, 0)), ("dkdv", 128, 128, False, (9, 0)), ("fwd", 64, 64, False, (9, 0)),
+                 ("dq", 64, 64, False, (8, 0)), ("dkdv", 64, 64, False, (10, 0)),
                  ("dq", 64, 64, False, (10, 0))):
         assert C.measured_pick(*args) is None, args
     monkeypatch.setenv("POLYRL_TRITON_AUTOTUNE", "1")
@@ -286,8 +289,10 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     A._launch(_Tuner(), "dq", "grid", (q,), meta, A.KernelOptions())
     A._launch(_Tuner(), "dq", "grid", (q,), dict(meta, HAS_WINDOW=True, BAND=True), A.KernelOptions())
     A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions())
-    assert [x[0] for x in launched] == ["fn", "autotuner", "autotuner"]
+    A._launch(_Tuner(), "dkdv", "grid", (q,), dict(meta, HAS_WINDOW=True, BAND=True), A.KernelOptions())
+    assert [x[0] for x in launched] == ["fn", "autotuner", "fn", "autotuner"]
     assert launched[0][2] == dict(meta, BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3)
+    assert launched[2][2] == dict(meta, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1)
     launched.clear()
     A._launch(_Tuner(), "dq", "grid", (q,), dict(meta, G_P=512), A.KernelOptions())  # rows below one token a tile
     assert launched[0][2]["BLOCK_M"] == 512  # prune_rows widens the tile to the group, as for the table path

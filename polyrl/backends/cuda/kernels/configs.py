@@ -101,11 +101,16 @@ def fused_configs() -> list[triton.Config]:
 # Key: (kernel, head-dim class, has a window). Measured on one H100 (2026-12-06, c178864; GPT-OSS heads: 64 q / 8 kv,
 # d 64, causal with sinks): dQ with BLOCK_M 256, BLOCK_N 64, 8 warps, 3 stages took 1.740 ms against 1.990 at
 # 4 x 4096 tokens and 6.672 against 7.264 at 1 x 16384. Not measured, so unchanged: windows (the band path),
-# head dims above 64 (a 256-row dQ tile would not fit the registers at 256), the forward and dK/dV kernels (their
-# defaults were within 3% of the best), GPUs other than compute capability 9.x.
+# head dims above 64 (a 256-row dQ tile would not fit the registers at 256), the forward kernel (its default was
+# within 3% of the best), GPUs other than compute capability 9.x.
+# dK/dV, measured on one H200 (2026-12-07, 97987a2, same shapes): 128 resident keys, 64 rows, 8 warps and one stage
+# (no cp.async pipeline: 219 registers, no spills, where two stages take 228 and three spill) took 3.926 ms against
+# the 64-key default's 4.086 at 4 x 4096 and 12.894 against 14.724 at 1 x 16384 (0.96x / 0.88x); the same tile
+# with two stages was 1.15x / 1.06x slower than the default.
 HOPPER_PICKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
     # (BLOCK_M, BLOCK_N, num_warps, num_stages)
     ("dq", 64, False): (256, 64, 8, 3),
+    ("dkdv", 64, False): (64, 128, 8, 1),
 }
 
 
