@@ -17,6 +17,7 @@ import triton.language as tl
 from polyrl.backends.cuda import launching as L
 from polyrl.backends.cuda import precompile as P
 from polyrl.core.attention.layouts import AttentionLayout
+from polyrl.core.errors import BadInputError
 
 
 class _Kernel:
@@ -120,9 +121,18 @@ def test_threads_are_this_ranks_share_of_the_cpus(monkeypatch):
     assert P._threads(7) == 1
     monkeypatch.setenv(P.THREADS_ENV, "3")
     assert P._threads(7) == 3 and P._threads(2) == 2
-    monkeypatch.setenv(P.THREADS_ENV, "many")
-    with pytest.raises(ValueError, match="POLYRL_PRECOMPILE_THREADS='many'"):
-        P._threads(7)
+    for bad in ("many", "0", "-2", "1.5"):
+        monkeypatch.setenv(P.THREADS_ENV, bad)
+        with pytest.raises(BadInputError, match=f"POLYRL_PRECOMPILE_THREADS='{re.escape(bad)}': expected a whole"):
+            P._threads(7)
+
+
+def test_a_bad_thread_count_is_refused_before_any_recording(monkeypatch):
+    monkeypatch.setattr("polyrl.backends.cuda.kernels.configs.interpreting", lambda: False)
+    monkeypatch.setattr(P, "_record", lambda *a: pytest.fail("recorded before the thread count was checked"))
+    monkeypatch.setenv(P.THREADS_ENV, "lots")
+    with pytest.raises(BadInputError, match="POLYRL_PRECOMPILE_THREADS"):
+        P.precompile([AttentionLayout(4, 2, 32, 32)], [torch.float32], torch.device("cuda", 0))
 
 
 def test_launches_that_compile_the_same_kernel_are_one_job():

@@ -79,15 +79,25 @@ def _signature(fn: Any, args: tuple, kwargs: dict) -> tuple:
     return id(fn), tuple(one(a) for a in args), tuple(sorted((k, str(v)) for k, v in kwargs.items()))
 
 
+def thread_cap() -> int | None:
+    """``POLYRL_PRECOMPILE_THREADS`` as a positive whole number, None where unset or empty; another value is refused
+    in one line (``BadInputError``), before anything is recorded or compiled."""
+    from polyrl.core.errors import BadInputError
+
+    cap = os.environ.get(THREADS_ENV, "").strip()
+    if not cap:
+        return None
+    if not cap.isdigit() or int(cap) < 1:
+        raise BadInputError(f"{THREADS_ENV}={cap!r}: expected a whole number of threads, at least 1")
+    return int(cap)
+
+
 def _threads(jobs: int) -> int:
     """Compile threads: this process's share of the CPUs it may run on (the host's ranks compile side by side), or
     ``POLYRL_PRECOMPILE_THREADS`` where set; never more than the jobs."""
-    cap = os.environ.get(THREADS_ENV, "")
-    if cap.strip():
-        try:
-            return max(1, min(jobs, int(cap)))
-        except ValueError:
-            raise ValueError(f"{THREADS_ENV}={cap!r}: not a whole number of threads") from None
+    cap = thread_cap()
+    if cap is not None:
+        return min(jobs, cap)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_rank = cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     return max(1, min(jobs, per_rank))
@@ -141,6 +151,7 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
         return None
     from polyrl.core.plugins.kernels import one_line
 
+    thread_cap()  # a bad value is refused before any work
     dtypes = [d for d in dict.fromkeys(dtypes) if str(d).removeprefix("torch.") in KERNEL_DTYPES]
     start = time.perf_counter()
     jobs: list[tuple[Any, tuple, dict, Any]] = []
@@ -168,8 +179,9 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
     def compile_one(fn: Any, args: tuple, kwargs: dict, grid: Any) -> None:
         t0 = time.perf_counter()
         fn.warmup(*args, grid=grid, **kwargs)
-        finished.append(time.perf_counter())
-        took.append((finished[-1] - t0, getattr(fn, "__name__", type(fn).__name__)))
+        t1 = time.perf_counter()  # this thread's own end (finished[-1] may be another's by the time it is read)
+        finished.append(t1)
+        took.append((t1 - t0, getattr(fn, "__name__", type(fn).__name__)))
 
     futures: list[Future] = [pool.submit(compile_one, *job) for job in jobs]
     pool.shutdown(wait=False)
