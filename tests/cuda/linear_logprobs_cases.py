@@ -45,3 +45,55 @@ def fp64_full_logits(hidden, weight, bias, labels, tau):
     z = h @ w.t() + (bias.double() if bias is not None else 0)
     logs = torch.log_softmax(z / tau, -1)
     return logs.gather(1, labels[:, None])[:, 0], -(logs.exp() * logs).sum(-1)
+
+
+def ppo_like(lp, old, adv):
+    """A per-token loss term that depends on the log-prob nonlinearly (a clipped ratio, as PPO's): its gradient
+    changes with the log-prob, so a fused op must take it at the op's own values."""
+    ratio = torch.exp(torch.clamp(lp - old, -20.0, 20.0))
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.28))
+
+
+def loss_inputs(N, seed=1):
+    """old log-probs, advantages and per-token aggregation weights [N] of ``ppo_like``; an entropy weight [N]."""
+    g = torch.Generator().manual_seed(seed)
+    return (-2.0 + torch.rand(N, generator=g), torch.randn(N, generator=g), torch.rand(N, generator=g) / N,
+            torch.rand(N, generator=g) / N)
+
+
+def unfused_loss_grads(fn, hidden, weight, bias, labels, tau, terms, *, entropy=True, device="cpu", **kw):
+    """[loss, log-probs, entropies, dhidden, dweight(, dbias)] on the CPU: ``fn`` (a linear_logprobs kernel), then
+    the loss sum(w * ppo_like(lp)) (+ sum(w_ent * ent)) through autograd."""
+    old, adv, w, w_ent = (t.to(device) for t in terms)
+    leaves = [t.clone().to(device).requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+    lp, ent = fn(leaves[0], leaves[1], labels.to(device), bias=leaves[2] if bias is not None else None,
+                 temperature=tau, compute_entropy=entropy, **kw)
+    loss = (w * ppo_like(lp, old, adv.to(lp.dtype))).sum() + ((w_ent * ent).sum() if entropy else 0)
+    loss.backward()
+    return [loss.detach().cpu(), lp.detach().cpu(), ent.detach().cpu()] + [t.grad.cpu() for t in leaves]
+
+
+def fused_loss_grads(fn, hidden, weight, bias, labels, tau, terms, *, entropy=True, device="cpu", calls=None, **kw):
+    """The same through a fused-loss op ``fn`` (polyrl.core.algorithms.linear_loss's contract): ``token_grad``
+    differentiates the same per-token terms on each chunk; the loss value is taken from the returned log-probs and
+    the anchor added to it. ``calls`` (a list) collects each call's rows."""
+    old, adv, w, w_ent = (t.to(device) for t in terms)
+
+    def token_grad(t0, t1, lp_c, ent_c):
+        if calls is not None:
+            calls.append((t0, t1))
+        lp_leaf = lp_c.detach().clone().requires_grad_()
+        ent_leaf = ent_c.detach().clone().requires_grad_()
+        part = (w[t0:t1] * ppo_like(lp_leaf, old[t0:t1], adv[t0:t1].to(lp_leaf.dtype))).sum()
+        if entropy:
+            part = part + (w_ent[t0:t1] * ent_leaf).sum()
+        g_lp, g_ent = torch.autograd.grad(part, [lp_leaf, ent_leaf], allow_unused=True)
+        return g_lp, (g_ent if entropy else None)
+
+    leaves = [t.clone().to(device).requires_grad_() for t in (hidden, weight) + ((bias,) if bias is not None else ())]
+    anchor, lp, ent = fn(leaves[0], leaves[1], labels.to(device), token_grad,
+                         bias=leaves[2] if bias is not None else None, temperature=tau, compute_entropy=entropy, **kw)
+    assert not lp.requires_grad and not ent.requires_grad and anchor.requires_grad and float(anchor.detach()) == 0.0
+    loss = (w * ppo_like(lp, old, adv.to(lp.dtype))).sum() + ((w_ent * ent).sum() if entropy else 0)
+    (loss + anchor).backward()
+    return [loss.detach().cpu(), lp.cpu(), ent.cpu()] + [t.grad.cpu() for t in leaves]

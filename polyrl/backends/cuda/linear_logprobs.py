@@ -53,6 +53,8 @@ bf16): more accurate than the logits path, not bit-identical to it. float64 inpu
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -504,3 +506,129 @@ def triton_linear_logprobs(
     fn = cublas_linear_logprobs if linear_logprobs_path() == "cublas" else triton_fused_linear_logprobs
     return fn(hidden, weight, labels, bias=bias, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
               temperature=temperature, compute_entropy=compute_entropy)
+
+
+# --- the loss's gradient in the forward (polyrl.core.algorithms.linear_loss): three matmuls, not four ---------
+FUSED_CHUNK_BYTES = 384 * 2**20  # one token chunk's fp32 logits + their ∂z in the inputs' dtype
+DW_FP32_BYTES = 512 * 2**20  # dW summed over token chunks in fp32 up to this size, else in the weight's dtype
+
+
+def fused_token_chunk(N: int, V: int, itemsize: int, chunk_size: int) -> int:
+    """Token rows per chunk of the fused loss: ``chunk_size``, fewer when the chunk's fp32 logits and ∂z would pass
+    FUSED_CHUNK_BYTES (then a multiple of 128 rows where possible: 256 at V = 201088 in bf16), never more than N."""
+    per_row = max(1, V) * (4 + (itemsize if itemsize != 4 else 0))
+    rows = FUSED_CHUNK_BYTES // per_row
+    if rows >= 128:
+        rows = rows // 128 * 128
+    return max(1, min(chunk_size, rows, N))
+
+
+def dw_accumulator_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32 where the [V, H] fp32 sum fits DW_FP32_BYTES, else the weight's dtype: at GPT-OSS width (201088 x 2880)
+    an fp32 dW would be 2.2 GiB, so it is summed in bf16 there, one rounding per token chunk (as Liger's fused
+    linear cross-entropy does)."""
+    if weight.dtype == torch.float32 or weight.numel() * 4 <= DW_FP32_BYTES:
+        return torch.float32
+    return weight.dtype
+
+
+def cublas_linear_logprob_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_grad: Callable[..., Any],
+    *,
+    bias: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+    vocab_chunk_size: int | None = None,
+    temperature: float = 1.0,
+    compute_entropy: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cuda backend's fused log-prob + loss gradient (contract: polyrl.core.algorithms.linear_loss): per token
+    chunk of Tc rows, z = h_c @ W^T in fp32 [Tc, V] (cuBLAS), one Triton pass for the rows' statistics, the
+    caller's ``token_grad`` on the rows' log-probs, one Triton pass writing ∂z [Tc, V] in the inputs' dtype from the
+    same z, then dH_c = ∂z @ W (one cuBLAS call over the whole vocabulary: one rounding), dW += ∂z^T @ h_c and
+    db += Σ ∂z. Three [Tc, V, H] matmuls per chunk where ``cublas_linear_logprobs`` and its backward make four.
+
+    Memory: the chunk's z and ∂z (≤ FUSED_CHUNK_BYTES), dH [N, H] in the inputs' dtype, dW (``dw_accumulator_dtype``)
+    and db, all kept from the forward to the backward. ``vocab_chunk_size`` is accepted for the contract (the
+    float64 reference uses it). float64 inputs run the core reference."""
+    from polyrl.core.algorithms.linear_loss import (
+        anchored,
+        fused_loss_forward,
+        input_needs,
+        linear_logprob_loss,
+    )
+
+    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
+    if hidden.dtype == torch.float64:
+        return linear_logprob_loss(hidden, weight, labels, token_grad, bias=bias, chunk_size=chunk_size,
+                                   vocab_chunk_size=vocab_chunk_size, temperature=temperature,
+                                   compute_entropy=compute_entropy)
+    if hidden.dim() != 2 or labels.dim() != 1:
+        raise ValueError(f"hidden must be [N, H] and labels [N], got {tuple(hidden.shape)}, {tuple(labels.shape)}")
+    needs = input_needs(hidden, weight, bias)
+    h_all, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    lab_all = labels.reshape(-1).long().contiguous()
+    N, V = h_all.shape[0], w.shape[0]
+    cdt = h_all.dtype
+    tc = fused_token_chunk(N, V, h_all.element_size(), chunk_size)
+    inv_tau = 1.0 / float(temperature)
+    triton_ok = _runs_triton(h_all)
+    zbuf = torch.empty(tc * V, dtype=torch.float32, device=h_all.device)
+    gbuf = zbuf if cdt == torch.float32 else torch.empty(tc * V, dtype=cdt, device=h_all.device)
+    scfg, gcfg = _stats_config(), _grad_config()
+    wt = w.t()
+
+    def stats(h: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = h.shape[0]
+        z = zbuf[: n * V].view(n, V)
+        _mm_fp32_into(z, h, wt)
+        if triton_ok:
+            bt, bv = scfg["BLOCK_T"], scfg["BLOCK_V"]
+            n_v = triton.cdiv(V, bv)
+            nsplit = max(1, min(n_v, triton.cdiv(scfg["target"], triton.cdiv(n, bt))))
+            cols_per_split = triton.cdiv(n_v, nsplit) * bv
+            nsplit = triton.cdiv(V, cols_per_split)
+            st = torch.empty(4, nsplit, n, dtype=torch.float32, device=h.device)
+            m, s, u, picked = st.unbind(0)
+            logits_row_stats_kernel[(triton.cdiv(n, bt), nsplit)](
+                z, b if b is not None else z, lab, m, s, u, picked, n, V, n, 0, cols_per_split, z.stride(0), inv_tau,
+                HAS_BIAS=b is not None, BLOCK_T=bt, BLOCK_V=bv, num_warps=scfg["num_warps"],
+                num_stages=scfg["num_stages"],
+            )
+        else:
+            st = torch.empty(4, 1, n, dtype=torch.float32, device=h.device)
+            m, s, u, picked = st.unbind(0)
+            _row_stats_torch(z, b, lab, inv_tau, (m[0], s[0], u[0], picked[0]))
+        logp, ent, lse = _merge_slices(m, s, u, picked)
+        return logp, ent, lse, z
+
+    def grads(h, lab, z, lse, ent, g_lp, g_ent, dw, db):
+        n = h.shape[0]
+        g = gbuf[: n * V].view(n, V)  # for fp32 inputs ∂z overwrites z, element by element
+        if triton_ok:
+            bt, bv = gcfg["BLOCK_T"], gcfg["BLOCK_V"]
+            logits_grad_kernel[(triton.cdiv(n, bt), triton.cdiv(V, bv))](
+                z, b if b is not None else z, lab, lse, ent, g_lp if g_lp is not None else lse,
+                g_ent if g_ent is not None else lse, g, n, V, 0, z.stride(0), g.stride(0), inv_tau,
+                HAS_BIAS=b is not None, HAS_GLP=g_lp is not None, HAS_GENT=g_ent is not None,
+                BLOCK_T=bt, BLOCK_V=bv, num_warps=gcfg["num_warps"], num_stages=1,
+            )
+        else:
+            _grad_torch(z, b, lab, lse, ent, g_lp, g_ent, 0, inv_tau, g)
+        if dw is not None:
+            if dw.dtype == cdt:
+                dw.addmm_(g.t(), h)  # [V, n] @ [n, H] added in the weight's dtype: one rounding per chunk
+            else:
+                _mm_accumulate(dw, g.t(), h)  # summed in fp32
+        if db is not None:
+            db += g.sum(0, dtype=torch.float32)
+        return torch.mm(g, w) if needs[0] else None  # [n, H]: all V summed inside one cuBLAS call
+
+    with torch.no_grad():
+        logp, ent, dh, dw, db = fused_loss_forward(
+            h_all, w, b, lab_all, token_grad, rows=tc, want_entropy=compute_entropy, needs=needs, stats=stats,
+            grads=grads, dw_dtype=dw_accumulator_dtype(w))
+    return anchored(hidden, weight, bias, dh, dw, db, logp, ent)

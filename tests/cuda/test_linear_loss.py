@@ -1,0 +1,133 @@
+"""The fused log-prob op with the loss's gradient taken in its forward (polyrl.core.algorithms.linear_loss): the core
+reference and the cuda backend's cuBLAS version (``cublas_linear_logprob_loss``), on CPU tensors, against the
+unfused path (``linear_logprobs_and_entropy``, then the same loss through autograd). The loss is PPO-like
+(``ppo_like``: its gradient depends on the log-prob) plus an entropy term, so a fused op that took the gradient at
+other values than its own log-probs would fail. The cuBLAS version runs with its two Triton epilogues under
+TRITON_INTERPRET=1 ("triton") and with their torch stand-ins ("torch"); both kept in one file because they share
+the cases (the core reference imports no Triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from linear_logprobs_cases import fused_loss_grads, loss_inputs, make_inputs, unfused_loss_grads
+
+import polyrl.backends.cuda.linear_logprobs as LL
+from polyrl.backends.cuda.kernels.configs import interpreting
+from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
+from polyrl.core.algorithms.linear_loss import linear_logprob_loss
+from polyrl.core.tolerances import relative_error, tolerance
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-tensor tests (the gpu tests cover CUDA)")
+
+
+@pytest.fixture
+def epilogue(request, monkeypatch):
+    if request.param == "triton" and not interpreting():
+        pytest.skip("the Triton epilogues run on CPU tensors only under TRITON_INTERPRET=1")
+    if request.param == "torch":
+        monkeypatch.setattr(LL, "_runs_triton", lambda t: False)
+    return request.param
+
+
+def _check(got, ref, dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    for what, g, r in zip(("loss", "logp", "entropy"), got[:3], ref[:3]):
+        err, bar = relative_error(g.float(), r.float()), tolerance("algorithms.linear_logprobs", name)
+        assert err <= bar, f"{what}: {err:.2e} > {bar:.2e}"
+    for what, g, r in zip(("dhidden", "dweight", "dbias"), got[3:], ref[3:]):
+        assert g.dtype == dtype, what
+        err, bar = relative_error(g.float(), r.float()), tolerance("algorithms.linear_logprobs_grad", name)
+        assert err <= bar, f"{what}: {err:.2e} > {bar:.2e}"
+
+
+@pytest.mark.parametrize("N,H,V,with_bias,tau,chunk,vchunk,entropy", [
+    (37, 16, 120, True, 0.7, 8, 32, True),  # 5 chunks, the last of 5 rows; 4 vocabulary tiles
+    (9, 16, 50, False, 1.0, 1024, None, True),  # one chunk
+    (21, 32, 70, True, 1.3, 6, 48, False),  # no entropy: zeros, no entropy gradient
+])
+def test_reference_equals_the_unfused_path(N, H, V, with_bias, tau, chunk, vchunk, entropy) -> None:
+    hidden, weight, bias, labels, _, _ = make_inputs(N, H, V, torch.float32, with_bias, seed=3)
+    terms = loss_inputs(N)
+    calls: list[tuple[int, int]] = []
+    got = fused_loss_grads(linear_logprob_loss, hidden, weight, bias, labels, tau, terms, entropy=entropy,
+                           calls=calls, chunk_size=chunk, vocab_chunk_size=vchunk)
+    ref = unfused_loss_grads(linear_logprobs_and_entropy, hidden, weight, bias, labels, tau, terms,
+                             entropy=entropy, chunk_size=chunk, vocab_chunk_size=vchunk)
+    _check(got, ref, torch.float32)
+    step = min(chunk, N)
+    assert calls == [(t0, min(t0 + step, N)) for t0 in range(0, N, step)]  # once per chunk, in row order
+    if not entropy:
+        assert torch.all(got[2] == 0)
+
+
+@cpu_only
+@pytest.mark.parametrize("epilogue", ["triton", "torch"], indirect=True)
+@pytest.mark.parametrize("N,H,V,dtype,with_bias,tau,chunk,entropy", [
+    (37, 16, 120, torch.float32, True, 0.7, 8, True),  # 5 token chunks, the last ragged
+    (9, 16, 50, torch.float32, False, 1.0, 1024, False),  # one chunk, V not a multiple of 16, no entropy
+    (21, 32, 70, torch.float16, True, 1.3, 6, True),  # fp16 matmuls, fp32 logits, dW summed in fp32
+])
+def test_cublas_fused_loss_equals_the_unfused_path(epilogue, N, H, V, dtype, with_bias, tau, chunk, entropy) -> None:
+    hidden, weight, bias, labels, _, _ = make_inputs(N, H, V, dtype, with_bias, seed=4, label_in_last_tile=True)
+    terms = loss_inputs(N)
+    calls: list[tuple[int, int]] = []
+    got = fused_loss_grads(LL.cublas_linear_logprob_loss, hidden, weight, bias, labels, tau, terms, entropy=entropy,
+                           calls=calls, chunk_size=chunk)
+    ref = unfused_loss_grads(linear_logprobs_and_entropy, hidden, weight, bias, labels, tau, terms,
+                             entropy=entropy, chunk_size=chunk)
+    _check(got, ref, dtype)
+    assert calls[0][0] == 0 and calls[-1][1] == N and len(calls) == -(-N // min(chunk, N))
+
+
+@cpu_only
+@pytest.mark.parametrize("epilogue", ["torch"], indirect=True)
+def test_dw_summed_in_the_weight_dtype_past_its_budget(epilogue, monkeypatch) -> None:
+    """A dW too large for an fp32 sum (GPT-OSS width) is summed in the weight's dtype, one rounding per token chunk:
+    still within the fp16 gradient bar at 4 chunks."""
+    monkeypatch.setattr(LL, "DW_FP32_BYTES", 0)
+    hidden, weight, bias, labels, _, _ = make_inputs(29, 16, 60, torch.float16, True, seed=6)
+    assert LL.dw_accumulator_dtype(weight) == torch.float16
+    terms = loss_inputs(29)
+    got = fused_loss_grads(LL.cublas_linear_logprob_loss, hidden, weight, bias, labels, 0.9, terms, chunk_size=8)
+    ref = unfused_loss_grads(linear_logprobs_and_entropy, hidden, weight, bias, labels, 0.9, terms, chunk_size=8)
+    _check(got, ref, torch.float16)
+
+
+def test_chunk_rows_and_dw_dtype_at_gpt_oss_width() -> None:
+    V, H = 201088, 2880
+    assert LL.fused_token_chunk(16384, V, 2, 1024) == 256  # fp32 z + bf16 ∂z of 256 rows: 294 MiB
+    assert LL.fused_token_chunk(16384, V, 4, 1024) == 384  # fp32: ∂z overwrites z
+    assert LL.fused_token_chunk(100, 8192, 2, 1024) == 100
+    big = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
+    assert LL.dw_accumulator_dtype(big) == torch.bfloat16  # fp32 would be 2.2 GiB
+    assert LL.dw_accumulator_dtype(torch.empty(8192, 64, dtype=torch.bfloat16, device="meta")) == torch.float32
+
+
+@pytest.mark.parametrize("fn", ["reference", "cublas"])
+def test_bad_token_grads_are_refused(fn) -> None:
+    op = linear_logprob_loss if fn == "reference" else LL.cublas_linear_logprob_loss
+    if fn == "cublas" and torch.cuda.is_available():
+        pytest.skip("CPU tensors")
+    hidden, weight, _, labels, _, _ = make_inputs(10, 16, 40, torch.float32, False)
+    h = hidden.clone().requires_grad_()
+    with pytest.raises(ValueError, match="compute_entropy is false"):
+        op(h, weight, labels, lambda t0, t1, lp, ent: (torch.ones_like(lp), torch.ones_like(ent)),
+           compute_entropy=False)
+    with pytest.raises(ValueError, match=r"g_lp must be \[4\] for rows \[0, 4\)"):
+        op(h, weight, labels, lambda t0, t1, lp, ent: (torch.ones(3), None), chunk_size=4)
+
+
+def test_no_gradient_wanted_and_no_term() -> None:
+    """Inputs without requires_grad: values only (the anchor is a constant zero); a token_grad with neither term:
+    zero gradients."""
+    hidden, weight, _, labels, _, _ = make_inputs(12, 16, 40, torch.float32, False)
+    anchor, lp, ent = linear_logprob_loss(hidden, weight, labels, lambda t0, t1, a, b: (None, None))
+    assert not anchor.requires_grad and lp.shape == (12,) and ent.shape == (12,)
+    ref_lp, ref_ent = linear_logprobs_and_entropy(hidden, weight, labels)
+    for got, want in ((lp, ref_lp), (ent, ref_ent)):
+        assert relative_error(got, want) <= tolerance("algorithms.linear_logprobs", "float32")
+    h = hidden.clone().requires_grad_()
+    anchor, _, _ = linear_logprob_loss(h, weight, labels, lambda t0, t1, a, b: (None, None), chunk_size=5)
+    anchor.backward()
+    assert torch.all(h.grad == 0)
