@@ -9,6 +9,9 @@ grad) and ends with their gradients:
 - ``polyrl fused (cublas)``: the cuda backend's cuBLAS path, ``cublas_linear_logprobs``
   (``POLYRL_LINEAR_LOGPROBS=cublas``, the default: all four matmuls in cuBLAS with fp32 logits, Triton only reads them):
   same; the two rows call their paths directly, whatever the variable says;
+- ``polyrl fused loss (cublas)``: ``cublas_linear_logprob_loss`` (polyrl.core.algorithms.linear_loss): the same loss's
+  per-token gradient (w, and the entropy weight) handed to the op, which takes it inside its forward's token chunks
+  and so makes the logits once (three lm_head-sized matmuls instead of four): same outputs and gradients;
 - ``polyrl reference (chunked)``: ``A.linear_logprobs_and_entropy`` (token x vocab tiles, torch matmuls): same;
 - ``polyrl logits + chunked``: logits = h @ W^T (bf16 [T, V]), then ``A.logprobs_and_entropy`` (the trainer's
   path before the fused op): same;
@@ -61,9 +64,14 @@ def _methods(device: str, chunk: int) -> dict[str, Callable | str]:
 
     out: dict[str, Callable | str] = {}
     try:
-        from polyrl.backends.cuda.linear_logprobs import cublas_linear_logprobs, triton_fused_linear_logprobs
+        from polyrl.backends.cuda.linear_logprobs import (
+            cublas_linear_logprob_loss,
+            cublas_linear_logprobs,
+            triton_fused_linear_logprobs,
+        )
     except ImportError as exc:
         out["polyrl fused (triton)"] = out["polyrl fused (cublas)"] = f"not importable ({exc})"
+        out["polyrl fused loss (cublas)"] = f"not importable ({exc})"
     else:
         def fused_with(kernel: Callable) -> Callable:
             def fused(h, W, y, w):
@@ -77,6 +85,15 @@ def _methods(device: str, chunk: int) -> dict[str, Callable | str]:
         else:
             out["polyrl fused (triton)"] = "needs CUDA (or TRITON_INTERPRET=1)"
         out["polyrl fused (cublas)"] = fused_with(cublas_linear_logprobs)
+
+        def fused_loss(h, W, y, w):
+            def token_grad(t0, t1, lp, ent):  # d loss / d logp_t = w_t, d loss / d H_t = ENT_W
+                return w[t0:t1], torch.full_like(ent, ENT_W)
+
+            anchor, lp, ent = cublas_linear_logprob_loss(h, W, y, token_grad, chunk_size=chunk)
+            return (lp * w).sum() + ENT_W * ent.sum() + anchor, -lp.sum()
+
+        out["polyrl fused loss (cublas)"] = fused_loss
 
     def reference(h, W, y, w):
         lp, ent = A.linear_logprobs_and_entropy(h, W, y, chunk_size=chunk)
@@ -226,7 +243,7 @@ def main() -> None:
             if "skipped" in r:
                 rows.append({"T": T, "method": name, **r})
         liger = results.get("liger fused linear CE", {})
-        for name in ("polyrl fused (triton)", "polyrl fused (cublas)"):
+        for name in ("polyrl fused (triton)", "polyrl fused (cublas)", "polyrl fused loss (cublas)"):
             r = results.get(name, {})
             if "ms" in r and "ms" in liger:
                 mem = "n/a" if r["extra_gib"] is None or not liger.get("extra_gib") else \

@@ -131,3 +131,21 @@ def test_no_gradient_wanted_and_no_term() -> None:
     anchor, _, _ = linear_logprob_loss(h, weight, labels, lambda t0, t1, a, b: (None, None), chunk_size=5)
     anchor.backward()
     assert torch.all(h.grad == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,H,V,with_bias,dw_budget", [(1000, 256, 5001, False, None), (333, 128, 3000, True, 0)])
+def test_gpu_cublas_fused_loss_equals_the_unfused_path(N, H, V, with_bias, dw_budget, dtype, monkeypatch) -> None:
+    """On the GPU, bf16 / fp32 (the Triton epilogues compiled, cuBLAS fp32-output GEMMs): values and gradients
+    against the unfused cuBLAS path with the same loss; ``dw_budget`` 0 sums dW in the weight's dtype."""
+    if dw_budget is not None:
+        monkeypatch.setattr(LL, "DW_FP32_BYTES", dw_budget)
+    hidden, weight, bias, labels, _, _ = make_inputs(N, H, V, dtype, with_bias, seed=7, label_in_last_tile=True)
+    terms = loss_inputs(N)
+    got = fused_loss_grads(LL.cublas_linear_logprob_loss, hidden, weight, bias, labels, 0.8, terms, device="cuda",
+                           chunk_size=128)
+    ref = unfused_loss_grads(LL.cublas_linear_logprobs, hidden, weight, bias, labels, 0.8, terms, device="cuda",
+                             chunk_size=128)
+    _check(got, ref, dtype)
