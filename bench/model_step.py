@@ -10,7 +10,9 @@ step time and the peak memory (parameters and gradients included), with transfor
 loss; ``fused_policy_loss``) as gpt_oss_dapo.yaml runs it: its ``entropy_coeff`` is 0, so the trainer asks for no
 entropy in the update (``compute_entropy=False``: no entropy gradient; the entropy metric comes from the old-log-prob
 pass, outside the step). "polyrl+fused+entropy" adds an entropy bonus of 0.001 and its gradient, as the tiny recipes
-have. Eager running out of memory at 16k is an
+have. "polyrl+fusedloss" is "polyrl+fused" with the policy loss's per-token gradient taken inside the fused op's
+forward (``cublas_linear_logprob_loss``, polyrl.core.algorithms.linear_loss: the logits made once, three lm_head
+matmuls instead of four; not the trainer's path yet). Eager running out of memory at 16k is an
 expected result and is reported as such. docs/background.md §8 anchors are printed beside our numbers.
 
     python bench/model_step.py [--seqlens 4096,16384] [--out bench/results/model_step.json]
@@ -30,7 +32,7 @@ import torch
 ANCHORS = {16384: {"flex": "0.27 s / 60 GiB", "eager": "out of memory"}}
 
 
-DEFAULT_IMPLS = "polyrl+fused,polyrl+fused+entropy,polyrl,flex_attention,eager"
+DEFAULT_IMPLS = "polyrl+fused,polyrl+fusedloss,polyrl+fused+entropy,polyrl,flex_attention,eager"
 
 
 def default_impls() -> str:
@@ -110,6 +112,38 @@ def fused_policy_loss(model, ids: torch.Tensor, entropy_coeff: float = 0.0) -> t
     return pg - entropy_coeff * A.entropy_loss(ent[None], mask) if entropy_coeff > 0 else pg
 
 
+def fused_loss_policy_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    """``polyrl+fusedloss``: the same DAPO loss as :func:`fused_policy_loss` (no entropy term), its per-token gradient
+    handed to the cuda backend's fused-loss op, which applies it inside its forward's token chunks. The loss's value
+    comes from the returned log-probs; the op's anchor carries the gradients."""
+    from polyrl.backends.cuda.linear_logprobs import cublas_linear_logprob_loss
+    from polyrl.core import algorithms as A
+    from polyrl.core.models.lm_head import fused_logprobs
+
+    T = ids.shape[1]
+    gather = torch.arange(T - 1, device=ids.device)
+    labels = ids[0, 1:]
+    mask = torch.ones(1, T - 1, device=ids.device)
+    adv = torch.linspace(-1, 1, T - 1, device=ids.device)[None]
+    old: list[torch.Tensor] = []  # the behaviour log-probs: the op's own (as fused_policy_loss's logp.detach())
+
+    def token_grad(t0, t1, lp, ent):  # token-mean over T - 1 tokens: a chunk's share is exact on its own
+        leaf = lp.detach().clone().requires_grad_()
+        old.append(lp.detach())
+        part, _ = A.policy_loss(leaf[None], lp.detach()[None], adv[:, t0:t1], mask[:, t0:t1], clip_low=0.2,
+                                clip_high=0.28, global_tokens=T - 1)
+        return torch.autograd.grad(part, leaf)[0], None
+
+    def kernel(h, w, y, **kw):
+        return cublas_linear_logprob_loss(h, w, y, token_grad, **kw)
+
+    anchor, logp, _ = fused_logprobs(model, {"input_ids": ids}, gather, labels, kernel, chunk_size=2048,
+                                     temperature=1.0, compute_entropy=False)
+    with torch.no_grad():
+        pg, _ = A.policy_loss(logp[None], torch.cat(old)[None], adv, mask, clip_low=0.2, clip_high=0.28)
+    return pg + anchor
+
+
 def peer_row(rows: list[dict], seqlen: int) -> dict | None:
     """The peer every row is divided by at this length: transformers with FA4 where it ran, else with flex."""
     for peer in ("flash_attention_4", "flex_attention"):
@@ -122,6 +156,8 @@ def peer_row(rows: list[dict], seqlen: int) -> dict | None:
 def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
     entropy_coeff = 0.001 if impl.endswith("+entropy") else 0.0
     impl = impl.removesuffix("+entropy")
+    fused_loss = impl.endswith("+fusedloss")
+    impl = impl.removesuffix("+fusedloss")
     fused = impl.endswith("+fused")
     impl = impl.removesuffix("+fused")
     if hasattr(model, "set_attn_implementation"):
@@ -135,7 +171,12 @@ def step_stats(model, impl: str, seqlen: int, steps: int) -> dict:
     for i in range(steps + 2):  # two warm-up steps (compilation, autotuning)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        loss = fused_policy_loss(model, ids, entropy_coeff) if fused else model(input_ids=ids, labels=ids).loss
+        if fused_loss:
+            loss = fused_loss_policy_loss(model, ids)
+        elif fused:
+            loss = fused_policy_loss(model, ids, entropy_coeff)
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.cuda.synchronize()
         if i >= 2:

@@ -149,3 +149,29 @@ def test_gpu_cublas_fused_loss_equals_the_unfused_path(N, H, V, with_bias, dw_bu
     ref = unfused_loss_grads(LL.cublas_linear_logprobs, hidden, weight, bias, labels, 0.8, terms, device="cuda",
                              chunk_size=128)
     _check(got, ref, dtype)
+
+
+@cpu_only
+def test_model_step_fused_loss_row_gives_the_fused_rows_gradients() -> None:
+    """bench/model_step.py's "polyrl+fusedloss" (DAPO's loss with its gradient taken inside the op) against its
+    "polyrl+fused" (the trainer's path: log-probs, then the loss through autograd), on a tiny GPT-OSS in fp32: the
+    same loss value and parameter gradients."""
+    from bench_scripts import load_bench
+
+    from polyrl.core.models import build_model
+
+    bench = load_bench("model_step")
+    model = build_model("gpt_oss_tiny", vocab_size=40, seed=0)
+    ids = torch.randint(0, 40, (1, 23), generator=torch.Generator().manual_seed(0))
+    results = []
+    for fn in (bench.fused_policy_loss, bench.fused_loss_policy_loss):
+        model.zero_grad(set_to_none=True)
+        loss = fn(model, ids)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert relative_error(loss_b, loss_a) <= tolerance("algorithms.linear_logprobs", "float32")
+    assert grads_a.keys() == grads_b.keys() and "lm_head.weight" in grads_a
+    for name in grads_a:
+        err = relative_error(grads_b[name], grads_a[name])
+        assert err <= tolerance("algorithms.linear_logprobs_grad", "float32"), f"{name}: {err:.2e}"
