@@ -29,7 +29,7 @@ and its test suite: ``run_conformance("rocm", dtype="bfloat16").ok`` (docs/plugi
 - tasks and engines: :class:`Task`, :class:`Example`; :class:`RolloutEngine`, :class:`RolloutOutput`,
   :class:`SamplingParams`;
 - the conformance kit: :func:`run_conformance`, :func:`run_attention_case` over :data:`ATTENTION_CASES`,
-  :func:`logprobs_check`, :func:`linear_logprobs_check`.
+  :func:`logprobs_check`, :func:`linear_logprobs_check`, :func:`linear_logprob_loss_check`.
 
 Importing this module is cheap: no torch, no device, no vendor module.
 """
@@ -60,6 +60,7 @@ from polyrl.testing.conformance import (
     AttentionCase,
     CaseResult,
     ConformanceReport,
+    linear_logprob_loss_check,
     linear_logprobs_check,
     logprobs_check,
     run_attention_case,
@@ -92,6 +93,7 @@ __all__ = [
     "ShardingPolicy",
     "Task",
     "hookimpl",
+    "linear_logprob_loss_check",
     "linear_logprobs_check",
     "list_backends",
     "logprobs_check",

@@ -553,6 +553,70 @@ def linear_logprobs_check(backend: Backend, dtype: str) -> Check:
                  "rel err " + ", ".join(errors))
 
 
+def linear_logprob_loss_check(backend: Backend, dtype: str) -> Check:
+    """``backend.linear_logprob_loss`` with a ``token_grad`` of fixed per-token weights (the loss
+    Σ w_lp·logp + Σ w_ent·H, the one ``linear_logprobs_check`` differentiates) against fp64 through the full logits:
+    log-probs, entropies, and the gradients the anchor carries to hidden, weight and bias; every row handed to
+    ``token_grad`` exactly once, in order."""
+    import torch
+
+    from polyrl.core.tolerances import relative_error, tolerance
+
+    dt = _torch_dtype(dtype)
+    T, H, V = LINEAR_SHAPE
+    gen = torch.Generator().manual_seed(2)
+    inputs = [(2 * torch.randn(T, H, generator=gen)).to(dt), (torch.randn(V, H, generator=gen) / H**0.5).to(dt),
+              (0.5 * torch.randn(V, generator=gen)).to(dt)]
+    labels = torch.randint(0, V, (T,), generator=gen)
+    w_lp, w_ent = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
+    ref = [t.double().requires_grad_() for t in inputs]
+    logsm = torch.log_softmax((ref[0] @ ref[1].t() + ref[2]) / LOGPROBS_TEMPERATURE, -1)
+    exp_lp, exp_ent = logsm.gather(-1, labels[:, None])[:, 0], -(logsm.exp() * logsm).sum(-1)
+    (w_lp * exp_lp + w_ent * exp_ent).sum().backward()
+    device = backend.device(0)
+    got = [t.to(device).requires_grad_() for t in inputs]
+    rows: list[int] = []
+
+    def token_grad(t0: int, t1: int, lp: torch.Tensor, ent: torch.Tensor):
+        rows.extend(range(t0, t1))
+        return w_lp[t0:t1].to(lp.device, lp.dtype), w_ent[t0:t1].to(lp.device, lp.dtype)
+
+    name = f"linear_logprob_loss {dtype}"
+    try:
+        anchor, lp, ent = backend.linear_logprob_loss(got[0], got[1], labels.to(device), token_grad, bias=got[2],
+                                                      chunk_size=LINEAR_CHUNK, temperature=LOGPROBS_TEMPERATURE)
+        anchor.backward()
+    except Exception as exc:
+        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
+    symptoms = []
+    if rows != list(range(T)):
+        symptoms.append(f"token_grad saw rows {rows[:8]}... ({len(rows)}), expected each of 0..{T - 1} once, in order")
+    for what, out in (("log-probs", lp), ("entropies", ent)):
+        if tuple(out.shape) != (T,) or out.dtype != torch.float32:
+            symptoms.append(f"{what} are {str(out.dtype).removeprefix('torch.')} {list(out.shape)}, expected "
+                            f"float32 [{T}]")
+    if symptoms:
+        return Check(name, FAIL, "; ".join(symptoms))
+    errors = []
+    pairs = [("log-probs", lp, exp_lp, "algorithms.linear_logprobs"),
+             ("entropies", ent, exp_ent, "algorithms.linear_logprobs")]
+    pairs += [(f"{what} gradient", g.grad, r.grad, "algorithms.linear_logprobs_grad")
+              for what, g, r in zip(("hidden", "weight", "bias"), got, ref)]
+    for what, out, exp, key in pairs:
+        if out is None:
+            symptoms.append(f"no {what} reached its input")
+            continue
+        err, bar = relative_error(out.detach().cpu(), exp.detach()), tolerance(key, dtype)
+        errors.append(f"{what} {err:.1e} (bar {bar:.1e})")
+        if not err <= bar:
+            symptoms.append(f"{what} differ: rel err {err:.1e} (bar {bar:.1e})")
+    wrong = [what for what, g in zip(("hidden", "weight", "bias"), got) if g.grad is not None and g.grad.dtype != dt]
+    if wrong:
+        symptoms.insert(0, f"wrong gradient dtype for {', '.join(wrong)}: expected {dtype}")
+    return Check(name, FAIL if symptoms else PASS, "; ".join(symptoms) + (" | " if symptoms else "") +
+                 "rel err " + ", ".join(errors))
+
+
 # --- the decode attention kernel (generation form) -------------------------------------------------------------------
 
 
@@ -748,6 +812,7 @@ def run_conformance(backend: str | Backend, *, dtype: str = "float32", allow_una
         checks += kernel_checks
         checks.append(logprobs_check(backend, dtype))
         checks.append(linear_logprobs_check(backend, dtype))
+        checks.append(linear_logprob_loss_check(backend, dtype))
         checks += decode_checks(backend, dtype)
         checks.append(device_graph_check(backend))
     else:

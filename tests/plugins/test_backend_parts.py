@@ -45,6 +45,7 @@ def test_every_part_method_is_a_backend_method_and_the_core_stays_small():
     core = {n for n, v in vars(Backend.__mro__[1]).items() if callable(v) and not n.startswith("_")}
     assert core == {"detect", "availability", "kernel_paths", "declaration_problems", "device", "bind_device",
                     "kernel", "varlen_attention", "logprobs", "linear_logprobs", "experts", "decode_attention",
+                    "linear_logprob_loss",
                     "precompile"}
 
 

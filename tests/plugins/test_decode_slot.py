@@ -22,7 +22,9 @@ from polyrl.plugins import KERNELS, REFERENCE_KERNELS, Backend
 
 
 def test_the_slot_is_declared_with_the_reference_as_default():
-    assert KERNELS[-1] == "decode_attention" and KERNEL_SLOTS["decode_attention"] == "decode_attention_kernel"
+    # added in 0.3 after the four older slots; later slots go after it (the order stays a prefix)
+    assert KERNELS[:5] == ("varlen_attention", "logprobs", "linear_logprobs", "experts", "decode_attention")
+    assert KERNEL_SLOTS["decode_attention"] == "decode_attention_kernel"
     assert REFERENCE_KERNELS["decode_attention"] == "polyrl.core.attention.reference:reference_decode_attention"
     assert Backend.decode_attention_kernel == REFERENCE_KERNELS["decode_attention"]
     assert resolve_kernel(Backend.decode_attention_kernel) is reference_decode_attention

@@ -46,7 +46,7 @@ def test_installed_plugins_are_listed_and_failures_reported_by_the_real_command(
     assert dummy["available"] is False and dummy["is_accelerator"] is False
     # native_kernels is derived: the dummy names its own attention kernel and leaves logprobs to the reference.
     assert dummy["native_kernels"] == ["varlen_attention"] and dummy["kernels_fallback"] == [
-        "logprobs", "linear_logprobs", "experts", "decode_attention"]
+        "logprobs", "linear_logprobs", "experts", "decode_attention", "linear_logprob_loss"]
     assert by_name["cpu"]["distribution"] == "polyrl" and by_name["cpu"]["kernels_fallback"] == []
     failed = {n["name"]: n for n in data["not_loaded"] if n["failed"]}
     assert failed["faulty_import"] == {"name": "faulty_import", "distribution": FAULTY, "failed": True,

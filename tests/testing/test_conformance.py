@@ -401,7 +401,8 @@ def test_declarations_are_checked():
     assert _declaration(report, "native_kernels is derived from the kernel slots").status == FAIL
     assert DeclaresNativeKernels().describe()["kernels_fallback"] == ["varlen_attention", "logprobs",
                                                                       "linear_logprobs", "experts",
-                                                                      "decode_attention"]  # truthful
+                                                                      "decode_attention",
+                                                                      "linear_logprob_loss"]  # truthful
     report = run_conformance(KernelTypo(), dtype="float32")
     check = _declaration(report, "kernel paths resolve")
     assert check.status == FAIL and "has no function 'logprobs_and_entropyy'" in check.detail

@@ -41,6 +41,9 @@ class CudaBackend(Backend):
     # The hf engine's decode steps: one Triton launch per layer call (forward only) instead of the dense reference's
     # ~47 torch ops; the reference where a gradient is wanted, for float64, or under POLYRL_CUDA_DECODE=reference.
     decode_attention_kernel = "polyrl.backends.cuda.decode:triton_decode_attention"
+    # The loss's per-token gradient inside the forward's token chunks: cuBLAS fp32 logits made once per chunk,
+    # three [T, V, H] matmuls instead of four (model.fused_loss).
+    linear_logprob_loss_kernel = "polyrl.backends.cuda.linear_logprobs:cublas_linear_logprob_loss"
     # vLLM preferred (rollout.engine: auto) where installed and serving the model; the hf engine otherwise. The
     # vllm engine is the shared polyrl.backends.vllm_engine with the settings below; measured on an H200 with
     # vLLM 0.26.0 (docs/rollout.md: how to bring it to an offline machine).

@@ -18,18 +18,21 @@ from typing import Any
 
 # The kernels a backend may provide, the class attribute naming each, and the reference implementation in core
 # that runs when the slot is left at its default.
-# ``decode_attention`` (0.3) came last: a slot added later goes at the end, so the order plugins and
-# ``polyrl backends --json`` readers saw stays a prefix.
-KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs", "experts", "decode_attention")
+# ``decode_attention`` and ``linear_logprob_loss`` (0.3) came last: a slot added later goes at the end, so the order
+# plugins and ``polyrl backends --json`` readers saw stays a prefix.
+KERNELS: tuple[str, ...] = ("varlen_attention", "logprobs", "linear_logprobs", "experts", "decode_attention",
+                            "linear_logprob_loss")
 KERNEL_SLOTS: dict[str, str] = {"varlen_attention": "attention_kernel", "logprobs": "logprobs_kernel",
                                 "linear_logprobs": "linear_logprobs_kernel", "experts": "experts_kernel",
-                                "decode_attention": "decode_attention_kernel"}
+                                "decode_attention": "decode_attention_kernel",
+                                "linear_logprob_loss": "linear_logprob_loss_kernel"}
 REFERENCE_KERNELS: dict[str, str] = {
     "varlen_attention": "polyrl.core.attention.reference:reference_varlen_attention",
     "logprobs": "polyrl.core.algorithms.logprobs:logprobs_and_entropy",
     "linear_logprobs": "polyrl.core.algorithms.linear_logprobs:linear_logprobs_and_entropy",
     "experts": "polyrl.core.models.experts:reference_experts",
     "decode_attention": "polyrl.core.attention.reference:reference_decode_attention",
+    "linear_logprob_loss": "polyrl.core.algorithms.linear_loss:linear_logprob_loss",
 }
 
 

@@ -6,7 +6,8 @@ The core must be cheap to construct and must not touch a device in ``__init__`` 
 what is installed and what the OS exposes, it never initialises a runtime (no CUDA context, no NPU init).
 
 Kernels are named, not implemented, by the class: ``attention_kernel``, ``logprobs_kernel``,
-``linear_logprobs_kernel``, ``experts_kernel`` and ``decode_attention_kernel`` are ``"module:function"`` paths
+``linear_logprobs_kernel``, ``experts_kernel``, ``decode_attention_kernel`` and ``linear_logprob_loss_kernel`` are
+``"module:function"`` paths
 (polyrl.core.plugins.kernels), imported on a backend object's first call of that kernel and kept on the object
 (``kernel``), so vendor modules load only when a kernel runs and never again per call. A slot left at its default
 runs the reference implementation in core. A slot that does not resolve (a typo) makes the backend unavailable with
@@ -86,6 +87,9 @@ class BackendCore:
     # polyrl.core.attention.reference.reference_decode_attention (the default: the dense fp32 reference of the
     # generation form, differentiable; the hf engine's decode steps run this slot).
     decode_attention_kernel: ClassVar[str] = REFERENCE_KERNELS["decode_attention"]
+    # polyrl.core.algorithms.linear_loss.linear_logprob_loss (the default: that reference, which recomputes each
+    # chunk's logits; a backend's own keeps them between the statistics and the gradient).
+    linear_logprob_loss_kernel: ClassVar[str] = REFERENCE_KERNELS["linear_logprob_loss"]
 
     # --- detection -------------------------------------------------------------------------------------------
     def detect(self) -> Availability:
@@ -201,6 +205,27 @@ class BackendCore:
         polyrl.core.algorithms.linear_logprobs.linear_logprobs_and_entropy). Runs ``linear_logprobs_kernel``."""
         return self.kernel("linear_logprobs")(hidden, weight, labels, bias=bias, chunk_size=chunk_size,
                                               temperature=temperature, compute_entropy=compute_entropy)
+
+    def linear_logprob_loss(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        token_grad: Callable[..., Any],
+        *,
+        bias: torch.Tensor | None = None,
+        chunk_size: int = 1024,
+        temperature: float = 1.0,
+        compute_entropy: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``linear_logprobs`` with the loss's gradient taken inside the forward: hidden [N, H], weight [V, H],
+        labels [N]; ``token_grad(t0, t1, logp, ent) -> (g_lp, g_ent)`` gives d loss / d logp and d loss / d entropy
+        of each chunk of rows. Returns (anchor, logp, entropy): a 0-d zero whose gradient carries hidden's,
+        weight's and bias's, and the fp32 values, not differentiable (contract:
+        polyrl.core.algorithms.linear_loss). Runs ``linear_logprob_loss_kernel``."""
+        return self.kernel("linear_logprob_loss")(hidden, weight, labels, token_grad, bias=bias,
+                                                  chunk_size=chunk_size, temperature=temperature,
+                                                  compute_entropy=compute_entropy)
 
     def experts(self, module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
