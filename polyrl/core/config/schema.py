@@ -48,6 +48,10 @@ class ModelConfig:
     # linear_logprobs kernel), never the [tokens, vocab] logits. auto: where the model allows it (an nn.Linear
     # lm_head, no logit post-processing); true: required (refused otherwise); false: the logits path.
     fused_logprobs: bool | Literal["auto"] = "auto"
+    # With the fused log-probs: the actor loss's per-token gradient taken inside the fused op's forward
+    # (Backend.linear_logprob_loss), so the logits are made once per update instead of twice (three lm_head
+    # matmuls instead of four). Needs the fused path (refused otherwise); off by default until measured on a GPU.
+    fused_loss: bool = False
     # Where a one-process run makes its weights: "host" (drawn or loaded in host memory, then moved: the same
     # random draws on every backend, what CPU <-> GPU parity needs) or "device" (drawn or loaded straight on the
     # device: minutes faster at GPT-OSS-20B size; a random init then draws other values than the host's).

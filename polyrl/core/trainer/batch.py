@@ -196,7 +196,9 @@ def policy_forward(
     linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     replay: Any = None,
     record_routes: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    linear_logprob_loss: Callable[..., tuple[torch.Tensor, ...]] | None = None,
+    loss_terms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """Log-probs and entropies [b, R] of the responses of ``rows`` under ``model`` (differentiable).
 
     ``logprobs``: the log-prob kernel on logits (the trainer passes its backend's ``Backend.logprobs``; the
@@ -204,20 +206,55 @@ def policy_forward(
     instead: the model's last hidden states and lm_head weight go to it and no logits are made
     (polyrl.core.models.lm_head). ``replay``: the model's routing replay (rollout.routing_replay; None: off), which
     then routes this forward by ``batch.routes`` when it has them, or records the model's own routing
-    (``record_routes``: read it with ``replay.take_recorded()`` and :func:`split_routes`)."""
+    (``record_routes``: read it with ``replay.take_recorded()`` and :func:`split_routes`).
+
+    ``loss_terms`` (with ``linear_logprob_loss``, ``Backend.linear_logprob_loss``): the loss as a function of [b, R]
+    log-probs and entropies, a sum of per-token terms (each token's term depends on its own log-prob and entropy
+    alone, as every actor loss here: clipped surrogate, KL penalty, entropy bonus, linearly aggregated). Its gradient
+    is then taken inside the fused op's forward, chunk by chunk, and the call returns ``(anchor, logp, ent)``:
+    logp and ent not differentiable, the anchor a 0-d zero to add to the loss's value, carrying the gradients."""
     device = next(model.parameters()).device
     kwargs, gather, dst, labels = _layout(batch, rows, packed, pad_id, device)
     if replay is not None:
         _declare_routing(replay, batch, rows, packed, record_routes, device)
     kw = dict(chunk_size=chunk_size, temperature=temperature, compute_entropy=compute_entropy)
+    R = batch.mask.shape[1]
+    if loss_terms is not None:
+        if linear_logprob_loss is None:
+            raise ValueError("loss_terms needs the fused loss kernel (linear_logprob_loss)")
+        token_grad = _token_grad(loss_terms, dst, len(rows), R, device, compute_entropy)
+
+        def kernel(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, **k: Any) -> tuple[torch.Tensor, ...]:
+            return linear_logprob_loss(h, w, y, token_grad, **k)
+
+        anchor, logp, ent = fused_logprobs(model, kwargs, gather, labels, kernel, **kw)
+        return anchor, _scatter(logp, dst, len(rows), R), _scatter(ent, dst, len(rows), R)
     if linear_logprobs is not None:
         logp, ent = fused_logprobs(model, kwargs, gather, labels, linear_logprobs, **kw)
     else:
         logits = model(**kwargs, use_cache=False).logits  # [1, T, V] or [b, L, V]
         sel = logits.reshape(-1, logits.shape[-1]).index_select(0, gather)  # [N, V]: response positions only
         logp, ent = logprobs(sel, labels, **kw)
-    R = batch.mask.shape[1]
     return _scatter(logp, dst, len(rows), R), _scatter(ent, dst, len(rows), R)
+
+
+def _token_grad(loss_terms: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], dst: tuple[torch.Tensor, ...],
+                b: int, R: int, device: torch.device, compute_entropy: bool) -> Callable[..., tuple]:
+    """The fused loss op's ``token_grad`` for flat response tokens [t0, t1) (``dst``: their [b, R] places): the
+    chunk's log-probs and entropies placed into [b, R] zeros, ``loss_terms`` of those, differentiated with respect
+    to the chunk's values. Exact for a sum of per-token terms: the other places' values do not reach the chunk's
+    gradient."""
+    base = torch.zeros(b, R, dtype=torch.float32, device=device)
+
+    def token_grad(t0: int, t1: int, lp: torch.Tensor, ent: torch.Tensor) -> tuple:
+        place = (dst[0][t0:t1], dst[1][t0:t1])
+        lp_leaf = lp.detach().float().requires_grad_()
+        ent_leaf = ent.detach().float().requires_grad_()
+        loss = loss_terms(base.index_put(place, lp_leaf), base.index_put(place, ent_leaf))
+        g_lp, g_ent = torch.autograd.grad(loss, [lp_leaf, ent_leaf], allow_unused=True)
+        return g_lp, (g_ent if compute_entropy else None)
+
+    return token_grad
 
 
 def value_forward(

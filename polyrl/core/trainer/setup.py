@@ -365,8 +365,12 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
     rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,
                       task_rng=state.task_rng, device=device)
     fused = fused_kernel_for(cfg.model.fused_logprobs, models.actor, backend)
+    if cfg.model.fused_loss and fused is None:
+        raise BadInputError("model.fused_loss=true needs the fused log-prob path, and model.fused_logprobs="
+                            f"{cfg.model.fused_logprobs} runs the logits path for this model; set "
+                            "model.fused_logprobs=true (or model.fused_loss=false)")
     actor = Learner(models.actor, models.optimizer, state.shuffle_gen, packed, pad_id, backend.logprobs, fused,
-                    replay=replay)
+                    replay=replay, linear_logprob_loss=backend.linear_logprob_loss if cfg.model.fused_loss else None)
     critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, packed, pad_id)
               if models.critic is not None else None)
     probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)

@@ -113,6 +113,9 @@ class Learner:
     linear_logprobs: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # rollout.routing_replay on: the hooks on the model's routers (polyrl.core.models.routing.RouterReplay)
     replay: Any = None
+    # model.fused_loss on (with the fused path): the backend's fused log-prob op that takes the actor loss's
+    # gradient inside its forward (Backend.linear_logprob_loss)
+    linear_logprob_loss: Callable[..., tuple[torch.Tensor, ...]] | None = None
 
     def policy_kwargs(self, cfg: RunConfig) -> dict[str, Any]:
         """How this model's ``policy_forward`` runs everywhere — old and reference log-probs, the update, the
@@ -136,25 +139,38 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters:
     is_weights = inputs.is_weights
 
     def micro_loss(rows: list[int], n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict]:
-        logp, ent = policy_forward(model, batch, rows, **forward, compute_entropy=alg.entropy_coeff > 0)  # [b, R]
         mask, old, adv = token_mask[rows], old_logp[rows], advantages[rows]
         totals = dict(global_tokens=n_tok, global_seqs=n_seq, max_len=cfg.rollout.max_response_length)
         agg = dict(agg=alg.loss_agg_mode, **totals)
-        # the clip fractions come with the loss: they describe its ratio (clamped log-ratio)
-        pg, metrics = A.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
-                                    clip_c=alg.clip_c, weights=None if is_weights is None else is_weights[rows],
-                                    **agg)
-        loss = pg
-        if alg.use_kl_loss and ref_logp is not None:
-            kl = A.kl_penalty(logp, ref_logp[rows], alg.kl_kind)
-            kl_loss = A.aggregate(kl, mask, alg.loss_agg_mode, **totals)
-            loss = loss + alg.kl_loss_coef * kl_loss
-            metrics["kl_loss"] = kl_loss.detach() * n_tok / max(1.0, float(mask.sum()))
-        if alg.entropy_coeff > 0:
-            ent_loss = A.entropy_loss(ent, mask, **agg)
-            loss = loss - alg.entropy_coeff * ent_loss
-        metrics["policy_loss_share"] = pg.detach() * n_tok / max(1.0, float(mask.sum()))
-        return loss, metrics
+        weights = None if is_weights is None else is_weights[rows]
+        ref = ref_logp[rows] if alg.use_kl_loss and ref_logp is not None else None
+
+        def terms(logp: torch.Tensor, ent: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            # the clip fractions come with the loss: they describe its ratio (clamped log-ratio)
+            pg, metrics = A.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
+                                        clip_c=alg.clip_c, weights=weights, **agg)
+            loss = pg
+            if ref is not None:
+                kl_loss = A.aggregate(A.kl_penalty(logp, ref, alg.kl_kind), mask, alg.loss_agg_mode, **totals)
+                loss = loss + alg.kl_loss_coef * kl_loss
+                metrics["kl_loss"] = kl_loss.detach() * n_tok / max(1.0, float(mask.sum()))
+            if alg.entropy_coeff > 0:
+                loss = loss - alg.entropy_coeff * A.entropy_loss(ent, mask, **agg)
+            metrics["policy_loss_share"] = pg.detach() * n_tok / max(1.0, float(mask.sum()))
+            return loss, metrics
+
+        want_entropy = alg.entropy_coeff > 0
+        if actor.linear_logprob_loss is None:
+            logp, ent = policy_forward(model, batch, rows, **forward, compute_entropy=want_entropy)  # [b, R]
+            return terms(logp, ent)
+        # model.fused_loss: the loss's gradient taken inside the fused op (a sum of per-token terms, as above);
+        # its value and metrics from the op's log-probs, the anchor carrying the gradients
+        anchor, logp, ent = policy_forward(model, batch, rows, **forward, compute_entropy=want_entropy,
+                                           linear_logprob_loss=actor.linear_logprob_loss,
+                                           loss_terms=lambda lp, en: terms(lp, en)[0])
+        with torch.no_grad():
+            loss, metrics = terms(logp, ent)
+        return loss + anchor, metrics
 
     if actor.replay is not None:
         actor.replay.reset_counts()

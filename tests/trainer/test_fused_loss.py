@@ -1,0 +1,97 @@
+"""``model.fused_loss``: the actor loss's per-token gradient taken inside the fused log-prob op's forward
+(``Backend.linear_logprob_loss`` through ``policy_forward(loss_terms=...)``) gives the same log-probs and parameter
+gradients as the fused log-probs followed by the loss through autograd, for both model families, packed and padded,
+with an aggregation whose sequences span the op's chunks (seq-mean-token-mean), a KL and an entropy term; a run
+with it trains as the run without; a recipe that cannot take it is refused in one line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from polyrl.backends.cpu import CpuBackend
+from polyrl.core import algorithms as A
+from polyrl.core.models import build_model
+from polyrl.core.tolerances import relative_error, tolerance
+from polyrl.core.trainer.batch import SequenceBatch, policy_forward
+
+BATCH = SequenceBatch.from_rollout(
+    prompts=[[1, 5, 6], [1, 7], [1, 8, 9, 10]], responses=[[3, 4, 2], [11, 12, 13, 14], [15]],
+    logprobs=[[0.0] * 3, [0.0] * 4, [0.0]], group_ids=[0, 0, 1])
+
+
+@pytest.fixture(scope="module", params=["gpt_oss_tiny", "deepseek_v3_tiny"])
+def model(request):
+    torch.manual_seed(0)
+    return build_model(request.param, vocab_size=17, seed=0)
+
+
+def _loss_terms(logp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
+    """The actor loss's shape: clipped surrogate (seq-mean-token-mean), k3 KL, entropy bonus."""
+    mask = BATCH.mask
+    old = torch.full_like(mask, -2.5)
+    adv = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape)
+    agg = dict(global_tokens=8, global_seqs=3, max_len=4)
+    pg, _ = A.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", **agg)
+    kl = A.aggregate(A.kl_penalty(logp, old + 0.1, "low_var_kl"), mask, "seq-mean-token-mean", **agg)
+    return pg + 0.05 * kl - 0.01 * A.entropy_loss(ent, mask, agg="seq-mean-token-mean", **agg)
+
+
+def _run(model, packed: bool, fused_loss: bool):
+    model.zero_grad(set_to_none=True)
+    backend = CpuBackend()
+    kw = dict(packed=packed, pad_id=0, temperature=0.7, chunk_size=2, compute_entropy=True,
+              linear_logprobs=backend.linear_logprobs)
+    if fused_loss:
+        anchor, logp, ent = policy_forward(model, BATCH, [0, 1, 2], **kw, linear_logprob_loss=backend.linear_logprob_loss,
+                                           loss_terms=_loss_terms)
+        assert not logp.requires_grad and anchor.requires_grad
+        with torch.no_grad():
+            value = _loss_terms(logp, ent)
+        loss = value + anchor
+    else:
+        logp, ent = policy_forward(model, BATCH, [0, 1, 2], **kw)
+        loss = _loss_terms(logp, ent)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), logp.detach(), ent.detach(), grads
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_fused_loss_equals_the_fused_logprobs_then_the_loss(model, packed) -> None:
+    loss_a, lp_a, ent_a, grads_a = _run(model, packed, fused_loss=False)
+    loss_b, lp_b, ent_b, grads_b = _run(model, packed, fused_loss=True)
+    bar, grad_bar = tolerance("algorithms.linear_logprobs", "float32"), tolerance("model.grads", "float32")
+    for what, a, b in (("loss", loss_a, loss_b), ("logp", lp_a, lp_b), ("entropy", ent_a, ent_b)):
+        assert relative_error(b, a) <= bar, what
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) > 5
+    worst = max(relative_error(grads_b[n], grads_a[n]) for n in grads_a)
+    assert worst <= grad_bar, f"worst parameter gradient rel err {worst:.2e} > {grad_bar:.2e}"
+
+
+def test_a_run_with_the_fused_loss_trains_as_without(tmp_path: Path, run_cli, read_metrics) -> None:
+    rows = {}
+    for on in (False, True):
+        out = tmp_path / f"run_{on}"
+        rc, _, err = run_cli(["recipes/gpt_oss_dapo_tiny.yaml", "--output", str(out), "rollout.engine=hf",
+                              "model.fused_logprobs=true", f"model.fused_loss={str(on).lower()}",
+                              "trainer.total_steps=3", "data.batch_size=4", "rollout.n=4",
+                              "algorithm.mini_batch_size=8", "trainer.save_every=0"])
+        assert rc == 0, err
+        rows[on] = read_metrics(out)
+    assert len(rows[True]) == len(rows[False]) == 3
+    for a, b in zip(rows[False], rows[True]):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert math.isclose(a["loss/total"], b["loss/total"], rel_tol=1e-4, abs_tol=1e-6), (a["loss/total"],
+                                                                                           b["loss/total"])
+
+
+def test_the_fused_loss_without_the_fused_path_is_refused(tmp_path: Path, run_cli) -> None:
+    out = tmp_path / "run"
+    rc, _, err = run_cli(["recipes/gpt_oss_dapo_tiny.yaml", "--output", str(out), "model.fused_logprobs=false",
+                          "model.fused_loss=true", "trainer.total_steps=1"])
+    assert rc == 2
+    assert "model.fused_loss=true needs the fused log-prob path" in err and "Traceback" not in err
