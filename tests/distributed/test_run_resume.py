@@ -76,6 +76,14 @@ def test_two_processes_give_the_one_process_trajectory(reference: list[dict], tw
     assert len(list((two_proc / "checkpoints" / "step_00000003").glob("*.distcp"))) == 2
 
 
+def test_two_processes_with_the_fused_loss_give_the_one_process_trajectory(reference: list[dict],
+                                                                          tmp_path: Path) -> None:
+    """``model.fused_loss``: the gradients computed inside the fused op's forward (the sharded lm_head weight's
+    among them) reach FSDP2's reduce-scatter as the backward's would."""
+    run_to_end(run_cmd(tmp_path, total=3, nproc=2, extra=("model.fused_logprobs=true", "model.fused_loss=true")))
+    assert_close(read_metrics(tmp_path), reference[:3])
+
+
 def test_two_process_checkpoint_resumes_with_one_process(reference: list[dict], two_proc: Path) -> None:
     run_to_end(run_cmd(two_proc, total=TOTAL, nproc=1))
     assert_close(read_metrics(two_proc), reference)
