@@ -495,17 +495,27 @@ LINEAR_SHAPE = (37, 24, 203)  # T, H, V
 LINEAR_CHUNK = 16
 
 
-def linear_logprobs_check(backend: Backend, dtype: str) -> Check:
-    """``backend.linear_logprobs`` against fp64 log_softmax of the full logits of the same ``dtype``-valued
-    hidden states, weight and bias: log-probs, entropies (float32 [T]) and the gradients of hidden, weight and
-    bias of a weighted sum of both, in their inputs' dtypes; ``compute_entropy=False`` gives the same log-probs."""
-    import torch
+@dataclasses.dataclass
+class _LinearOracle:
+    """The inputs of a fused lm_head check (``dtype``-valued hidden [T, H], weight [V, H], bias [V], labels, the
+    loss's per-token weights) and, in fp64 through the full logits, their log-probs, entropies and the gradients of
+    Σ w_lp·logp + Σ w_ent·H."""
 
-    from polyrl.core.tolerances import relative_error, tolerance
+    inputs: list
+    labels: Any
+    w_lp: Any
+    w_ent: Any
+    exp_lp: Any
+    exp_ent: Any
+    ref: list
+
+
+def _linear_oracle(dtype: str, seed: int) -> _LinearOracle:
+    import torch
 
     dt = _torch_dtype(dtype)
     T, H, V = LINEAR_SHAPE
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator().manual_seed(seed)
     inputs = [(2 * torch.randn(T, H, generator=gen)).to(dt), (torch.randn(V, H, generator=gen) / H**0.5).to(dt),
               (0.5 * torch.randn(V, generator=gen)).to(dt)]
     labels = torch.randint(0, V, (T,), generator=gen)
@@ -514,94 +524,29 @@ def linear_logprobs_check(backend: Backend, dtype: str) -> Check:
     logsm = torch.log_softmax((ref[0] @ ref[1].t() + ref[2]) / LOGPROBS_TEMPERATURE, -1)
     exp_lp, exp_ent = logsm.gather(-1, labels[:, None])[:, 0], -(logsm.exp() * logsm).sum(-1)
     (w_lp * exp_lp + w_ent * exp_ent).sum().backward()
-    device = backend.device(0)
-    got = [t.to(device).requires_grad_() for t in inputs]
-    kw = {"chunk_size": LINEAR_CHUNK, "temperature": LOGPROBS_TEMPERATURE}
-    name = f"linear_logprobs {dtype}"
-    try:
-        lp, ent = backend.linear_logprobs(got[0], got[1], labels.to(device), bias=got[2], compute_entropy=True, **kw)
-        (w_lp.to(device) * lp + w_ent.to(device) * ent).sum().backward()
-        lp_only, _ = backend.linear_logprobs(got[0].detach(), got[1].detach(), labels.to(device),
-                                             bias=got[2].detach(), compute_entropy=False, **kw)
-    except Exception as exc:
-        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
-    symptoms = []
-    for what, out in (("log-probs", lp), ("entropies", ent), ("log-probs without entropy", lp_only)):
-        if tuple(out.shape) != (T,) or out.dtype != torch.float32:
-            symptoms.append(f"{what} are {str(out.dtype).removeprefix('torch.')} {list(out.shape)}, expected "
-                            f"float32 [{T}]")
-    if symptoms:
-        return Check(name, FAIL, "; ".join(symptoms))
-    errors = []
-    pairs = [("log-probs", lp, exp_lp, "algorithms.linear_logprobs"),
-             ("entropies", ent, exp_ent, "algorithms.linear_logprobs"),
-             ("log-probs without entropy", lp_only, exp_lp, "algorithms.linear_logprobs")]
-    pairs += [(f"{what} gradient", g.grad, r.grad, "algorithms.linear_logprobs_grad")
-              for what, g, r in zip(("hidden", "weight", "bias"), got, ref)]
-    for what, out, exp, key in pairs:
-        if out is None:
-            symptoms.append(f"no {what} reached its input")
-            continue
-        err, bar = relative_error(out.cpu(), exp.detach()), tolerance(key, dtype)
-        errors.append(f"{what} {err:.1e} (bar {bar:.1e})")
-        if not err <= bar:
-            symptoms.append(f"{what} differ: rel err {err:.1e} (bar {bar:.1e})")
-    wrong = [what for what, g in zip(("hidden", "weight", "bias"), got) if g.grad is not None and g.grad.dtype != dt]
-    if wrong:
-        symptoms.insert(0, f"wrong gradient dtype for {', '.join(wrong)}: expected {dtype}")
-    return Check(name, FAIL if symptoms else PASS, "; ".join(symptoms) + (" | " if symptoms else "") +
-                 "rel err " + ", ".join(errors))
+    return _LinearOracle(inputs, labels, w_lp, w_ent, exp_lp, exp_ent, ref)
 
 
-def linear_logprob_loss_check(backend: Backend, dtype: str) -> Check:
-    """``backend.linear_logprob_loss`` with a ``token_grad`` of fixed per-token weights (the loss
-    Σ w_lp·logp + Σ w_ent·H, the one ``linear_logprobs_check`` differentiates) against fp64 through the full logits:
-    log-probs, entropies, and the gradients the anchor carries to hidden, weight and bias; every row handed to
-    ``token_grad`` exactly once, in order."""
+def _linear_verdict(name: str, dtype: str, oracle: _LinearOracle, got: list, values: list[tuple[str, Any]],
+                    symptoms: list[str]) -> Check:
+    """Compare ``values`` ((what, float32 [T] output) against the oracle's log-probs, or entropies where ``what``
+    names them) and the gradients on the ``got`` leaves with the oracle's, each to its bar; ``symptoms`` so far."""
     import torch
 
     from polyrl.core.tolerances import relative_error, tolerance
 
-    dt = _torch_dtype(dtype)
-    T, H, V = LINEAR_SHAPE
-    gen = torch.Generator().manual_seed(2)
-    inputs = [(2 * torch.randn(T, H, generator=gen)).to(dt), (torch.randn(V, H, generator=gen) / H**0.5).to(dt),
-              (0.5 * torch.randn(V, generator=gen)).to(dt)]
-    labels = torch.randint(0, V, (T,), generator=gen)
-    w_lp, w_ent = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
-    ref = [t.double().requires_grad_() for t in inputs]
-    logsm = torch.log_softmax((ref[0] @ ref[1].t() + ref[2]) / LOGPROBS_TEMPERATURE, -1)
-    exp_lp, exp_ent = logsm.gather(-1, labels[:, None])[:, 0], -(logsm.exp() * logsm).sum(-1)
-    (w_lp * exp_lp + w_ent * exp_ent).sum().backward()
-    device = backend.device(0)
-    got = [t.to(device).requires_grad_() for t in inputs]
-    rows: list[int] = []
-
-    def token_grad(t0: int, t1: int, lp: torch.Tensor, ent: torch.Tensor):
-        rows.extend(range(t0, t1))
-        return w_lp[t0:t1].to(lp.device, lp.dtype), w_ent[t0:t1].to(lp.device, lp.dtype)
-
-    name = f"linear_logprob_loss {dtype}"
-    try:
-        anchor, lp, ent = backend.linear_logprob_loss(got[0], got[1], labels.to(device), token_grad, bias=got[2],
-                                                      chunk_size=LINEAR_CHUNK, temperature=LOGPROBS_TEMPERATURE)
-        anchor.backward()
-    except Exception as exc:
-        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
-    symptoms = []
-    if rows != list(range(T)):
-        symptoms.append(f"token_grad saw rows {rows[:8]}... ({len(rows)}), expected each of 0..{T - 1} once, in order")
-    for what, out in (("log-probs", lp), ("entropies", ent)):
+    T = LINEAR_SHAPE[0]
+    for what, out in values:
         if tuple(out.shape) != (T,) or out.dtype != torch.float32:
             symptoms.append(f"{what} are {str(out.dtype).removeprefix('torch.')} {list(out.shape)}, expected "
                             f"float32 [{T}]")
     if symptoms:
         return Check(name, FAIL, "; ".join(symptoms))
     errors = []
-    pairs = [("log-probs", lp, exp_lp, "algorithms.linear_logprobs"),
-             ("entropies", ent, exp_ent, "algorithms.linear_logprobs")]
+    pairs = [(what, out, oracle.exp_ent if what == "entropies" else oracle.exp_lp, "algorithms.linear_logprobs")
+             for what, out in values]
     pairs += [(f"{what} gradient", g.grad, r.grad, "algorithms.linear_logprobs_grad")
-              for what, g, r in zip(("hidden", "weight", "bias"), got, ref)]
+              for what, g, r in zip(("hidden", "weight", "bias"), got, oracle.ref)]
     for what, out, exp, key in pairs:
         if out is None:
             symptoms.append(f"no {what} reached its input")
@@ -610,11 +555,61 @@ def linear_logprob_loss_check(backend: Backend, dtype: str) -> Check:
         errors.append(f"{what} {err:.1e} (bar {bar:.1e})")
         if not err <= bar:
             symptoms.append(f"{what} differ: rel err {err:.1e} (bar {bar:.1e})")
+    dt = _torch_dtype(dtype)
     wrong = [what for what, g in zip(("hidden", "weight", "bias"), got) if g.grad is not None and g.grad.dtype != dt]
     if wrong:
         symptoms.insert(0, f"wrong gradient dtype for {', '.join(wrong)}: expected {dtype}")
     return Check(name, FAIL if symptoms else PASS, "; ".join(symptoms) + (" | " if symptoms else "") +
                  "rel err " + ", ".join(errors))
+
+
+def linear_logprobs_check(backend: Backend, dtype: str) -> Check:
+    """``backend.linear_logprobs`` against fp64 log_softmax of the full logits of the same ``dtype``-valued
+    hidden states, weight and bias: log-probs, entropies (float32 [T]) and the gradients of hidden, weight and
+    bias of a weighted sum of both, in their inputs' dtypes; ``compute_entropy=False`` gives the same log-probs."""
+    oracle = _linear_oracle(dtype, seed=1)
+    device = backend.device(0)
+    got = [t.to(device).requires_grad_() for t in oracle.inputs]
+    kw = {"chunk_size": LINEAR_CHUNK, "temperature": LOGPROBS_TEMPERATURE}
+    name = f"linear_logprobs {dtype}"
+    try:
+        lp, ent = backend.linear_logprobs(got[0], got[1], oracle.labels.to(device), bias=got[2],
+                                          compute_entropy=True, **kw)
+        (oracle.w_lp.to(device) * lp + oracle.w_ent.to(device) * ent).sum().backward()
+        lp_only, _ = backend.linear_logprobs(got[0].detach(), got[1].detach(), oracle.labels.to(device),
+                                             bias=got[2].detach(), compute_entropy=False, **kw)
+    except Exception as exc:
+        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
+    return _linear_verdict(name, dtype, oracle, got, [("log-probs", lp), ("entropies", ent),
+                                                      ("log-probs without entropy", lp_only)], [])
+
+
+def linear_logprob_loss_check(backend: Backend, dtype: str) -> Check:
+    """``backend.linear_logprob_loss`` with a ``token_grad`` of fixed per-token weights (the loss
+    Σ w_lp·logp + Σ w_ent·H, the one ``linear_logprobs_check`` differentiates) against fp64 through the full logits:
+    log-probs, entropies, and the gradients the anchor carries to hidden, weight and bias; every row handed to
+    ``token_grad`` exactly once, in order."""
+    oracle = _linear_oracle(dtype, seed=2)
+    device = backend.device(0)
+    got = [t.to(device).requires_grad_() for t in oracle.inputs]
+    rows: list[int] = []
+
+    def token_grad(t0: int, t1: int, lp: Any, ent: Any) -> tuple[Any, Any]:
+        rows.extend(range(t0, t1))
+        return oracle.w_lp[t0:t1].to(lp.device, lp.dtype), oracle.w_ent[t0:t1].to(lp.device, lp.dtype)
+
+    name = f"linear_logprob_loss {dtype}"
+    try:
+        anchor, lp, ent = backend.linear_logprob_loss(got[0], got[1], oracle.labels.to(device), token_grad,
+                                                      bias=got[2], chunk_size=LINEAR_CHUNK,
+                                                      temperature=LOGPROBS_TEMPERATURE)
+        anchor.backward()
+    except Exception as exc:
+        return Check(name, FAIL, f"kernel raised {one_line(exc)}")
+    T = LINEAR_SHAPE[0]
+    symptoms = [] if rows == list(range(T)) else [
+        f"token_grad saw rows {rows[:8]}... ({len(rows)}), expected each of 0..{T - 1} once, in order"]
+    return _linear_verdict(name, dtype, oracle, got, [("log-probs", lp), ("entropies", ent)], symptoms)
 
 
 # --- the decode attention kernel (generation form) -------------------------------------------------------------------

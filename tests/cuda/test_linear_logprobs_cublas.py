@@ -16,7 +16,6 @@ import torch
 from linear_logprobs_cases import cublas_kernel, fp64_full_logits, make_inputs, run_with_grads, triton_kernel
 
 import polyrl.backends.cuda.linear_logprobs as LL
-from polyrl.backends.cuda.kernels.configs import interpreting
 from polyrl.backends.cuda.linear_logprobs_choice import PATH_ENV, linear_logprobs_report
 from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.errors import BadInputError
@@ -24,16 +23,6 @@ from polyrl.core.tolerances import relative_error, tolerance
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-tensor tests (the gpu tests cover CUDA)")
 EPILOGUES = ["triton", "torch"]
-
-
-@pytest.fixture
-def epilogue(request, monkeypatch):
-    """'triton': the Triton epilogues (needs TRITON_INTERPRET=1 on CPU); 'torch': their torch stand-ins."""
-    if request.param == "triton" and not interpreting():
-        pytest.skip("the Triton epilogues run on CPU tensors only under TRITON_INTERPRET=1")
-    if request.param == "torch":
-        monkeypatch.setattr(LL, "_runs_triton", lambda t: False)
-    return request.param
 
 
 def _inputs(N, H, V, dtype, with_bias, seed=0):

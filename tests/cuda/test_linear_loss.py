@@ -13,21 +13,11 @@ import torch
 from linear_logprobs_cases import fused_loss_grads, loss_inputs, make_inputs, unfused_loss_grads
 
 import polyrl.backends.cuda.linear_logprobs as LL
-from polyrl.backends.cuda.kernels.configs import interpreting
 from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.algorithms.linear_loss import linear_logprob_loss
 from polyrl.core.tolerances import relative_error, tolerance
 
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-tensor tests (the gpu tests cover CUDA)")
-
-
-@pytest.fixture
-def epilogue(request, monkeypatch):
-    if request.param == "triton" and not interpreting():
-        pytest.skip("the Triton epilogues run on CPU tensors only under TRITON_INTERPRET=1")
-    if request.param == "torch":
-        monkeypatch.setattr(LL, "_runs_triton", lambda t: False)
-    return request.param
 
 
 def _check(got, ref, dtype) -> None:
