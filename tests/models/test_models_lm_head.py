@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_policy import BATCH, FAMILIES, tiny_model
 
 from polyrl.backends.cpu import CpuBackend
 from polyrl.core.errors import BadInputError
-from polyrl.core.models import build_model
 from polyrl.core.models.lm_head import fused_head_problem, fused_kernel_for
 from polyrl.core.tolerances import relative_error
-from polyrl.core.trainer.batch import SequenceBatch, policy_forward
-
-BATCH = SequenceBatch.from_rollout(
-    prompts=[[1, 5, 6], [1, 7], [1, 8, 9, 10]], responses=[[3, 4, 2], [11, 12, 13, 14], [15]],
-    logprobs=[[0.0] * 3, [0.0] * 4, [0.0]], group_ids=[0, 0, 1])
+from polyrl.core.trainer.batch import policy_forward
 
 
-@pytest.fixture(scope="module", params=["gpt_oss_tiny", "deepseek_v3_tiny"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
-    torch.manual_seed(0)
-    return build_model(request.param, vocab_size=17, seed=0)
+    return tiny_model(request.param)
 
 
 def _run(model, packed: bool, fused: bool):
