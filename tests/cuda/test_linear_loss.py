@@ -165,3 +165,19 @@ def test_model_step_fused_loss_row_gives_the_fused_rows_gradients() -> None:
     for name in grads_a:
         err = relative_error(grads_b[name], grads_a[name])
         assert err <= tolerance("algorithms.linear_logprobs_grad", "float32"), f"{name}: {err:.2e}"
+
+
+def test_the_gradients_are_handed_out_once_and_scaled_by_the_anchors() -> None:
+    """The anchor's gradient scales the kept gradients (here 3 x); a second backward through the same graph
+    (retain_graph) is refused, not answered with gradients already scaled."""
+    hidden, weight, _, labels, _, _ = make_inputs(12, 16, 40, torch.float32, False)
+    grads = []
+    for scale in (1.0, 3.0):
+        h = hidden.clone().requires_grad_()
+        anchor, _, _ = linear_logprob_loss(h, weight, labels, lambda t0, t1, lp, ent: (torch.ones_like(lp), None),
+                                           chunk_size=5)
+        (scale * anchor).backward(retain_graph=True)
+        grads.append(h.grad.clone())
+        with pytest.raises(RuntimeError, match="handed out by an earlier backward"):
+            anchor.backward()
+    assert torch.allclose(grads[1], 3 * grads[0]) and grads[0].abs().sum() > 0
