@@ -145,18 +145,21 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters:
         weights = None if is_weights is None else is_weights[rows]
         ref = ref_logp[rows] if alg.use_kl_loss and ref_logp is not None else None
 
-        def terms(logp: torch.Tensor, ent: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            # the clip fractions come with the loss: they describe its ratio (clamped log-ratio)
+        def terms(logp: torch.Tensor, ent: torch.Tensor, shares: bool = True) -> tuple[torch.Tensor, dict]:
+            # the clip fractions come with the loss: they describe its ratio (clamped log-ratio). ``shares``: the
+            # loss shares' metrics (one host read of the mask's count; not per chunk of the fused loss)
             pg, metrics = A.policy_loss(logp, old, adv, mask, clip_low=alg.clip_low, clip_high=alg.clip_high,
                                         clip_c=alg.clip_c, weights=weights, **agg)
             loss = pg
             if ref is not None:
                 kl_loss = A.aggregate(A.kl_penalty(logp, ref, alg.kl_kind), mask, alg.loss_agg_mode, **totals)
                 loss = loss + alg.kl_loss_coef * kl_loss
-                metrics["kl_loss"] = kl_loss.detach() * n_tok / max(1.0, float(mask.sum()))
+                if shares:
+                    metrics["kl_loss"] = kl_loss.detach() * n_tok / max(1.0, float(mask.sum()))
             if alg.entropy_coeff > 0:
                 loss = loss - alg.entropy_coeff * A.entropy_loss(ent, mask, **agg)
-            metrics["policy_loss_share"] = pg.detach() * n_tok / max(1.0, float(mask.sum()))
+            if shares:
+                metrics["policy_loss_share"] = pg.detach() * n_tok / max(1.0, float(mask.sum()))
             return loss, metrics
 
         want_entropy = alg.entropy_coeff > 0
@@ -167,7 +170,7 @@ def update_actor(cfg: RunConfig, actor: Learner, inputs: UpdateInputs, counters:
         # its value and metrics from the op's log-probs, the anchor carrying the gradients
         anchor, logp, ent = policy_forward(model, batch, rows, **forward, compute_entropy=want_entropy,
                                            linear_logprob_loss=actor.linear_logprob_loss,
-                                           loss_terms=lambda lp, en: terms(lp, en)[0])
+                                           loss_terms=lambda lp, en: terms(lp, en, shares=False)[0])
         with torch.no_grad():
             loss, metrics = terms(logp, ent)
         return loss + anchor, metrics
