@@ -80,6 +80,8 @@ def fused_loss_forward(
         for name, g in (("g_lp", g_lp), ("g_ent", g_ent)):
             if g is not None and tuple(g.shape) != (t1 - t0,):
                 raise ValueError(f"token_grad's {name} must be [{t1 - t0}] for rows [{t0}, {t1}), got {tuple(g.shape)}")
+        if not any(needs):  # values only (no input wants a gradient): nothing to make of the logits
+            continue
         if g_lp is None and g_ent is None:
             if dh is not None:
                 dh[t0:t1] = 0
