@@ -555,18 +555,17 @@ def cublas_linear_logprob_loss(
     float64 reference uses it). float64 inputs run the core reference."""
     from polyrl.core.algorithms.linear_loss import (
         anchored,
+        check_loss_inputs,
         fused_loss_forward,
         input_needs,
         linear_logprob_loss,
     )
 
-    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
+    check_loss_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
     if hidden.dtype == torch.float64:
         return linear_logprob_loss(hidden, weight, labels, token_grad, bias=bias, chunk_size=chunk_size,
                                    vocab_chunk_size=vocab_chunk_size, temperature=temperature,
                                    compute_entropy=compute_entropy)
-    if hidden.dim() != 2 or labels.dim() != 1:
-        raise ValueError(f"hidden must be [N, H] and labels [N], got {tuple(hidden.shape)}, {tuple(labels.shape)}")
     needs = input_needs(hidden, weight, bias)
     h_all, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
     w = w if w.stride(-1) == 1 else w.contiguous()

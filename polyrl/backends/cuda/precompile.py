@@ -173,15 +173,13 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
     threads = _threads(len(jobs))
     pool = ThreadPoolExecutor(threads, thread_name_prefix="polyrl-precompile", initializer=torch.cuda.set_device,
                               initargs=(index,))
-    finished: list[float] = []
-    took: list[tuple[float, str]] = []  # each compile's own wall, with its kernel's name
+    took: list[tuple[float, float, str]] = []  # each compile's (end, own wall, kernel name)
 
     def compile_one(fn: Any, args: tuple, kwargs: dict, grid: Any) -> None:
         t0 = time.perf_counter()
         fn.warmup(*args, grid=grid, **kwargs)
-        t1 = time.perf_counter()  # this thread's own end (finished[-1] may be another's by the time it is read)
-        finished.append(t1)
-        took.append((t1 - t0, getattr(fn, "__name__", type(fn).__name__)))
+        t1 = time.perf_counter()
+        took.append((t1, t1 - t0, getattr(fn, "__name__", type(fn).__name__)))
 
     futures: list[Future] = [pool.submit(compile_one, *job) for job in jobs]
     pool.shutdown(wait=False)
@@ -196,11 +194,11 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
                 failed.append(one_line(exc))
         now = time.perf_counter()
         line = (f"precompile: {len(jobs) - len(failed)} Triton attention kernels for {len(dict.fromkeys(layouts))} "
-                f"layouts x {len(dtypes)} dtypes on {threads} threads in {max(finished, default=now) - start:.1f} s "
-                f"(the build waited {now - waited:.1f} s)")
+                f"layouts x {len(dtypes)} dtypes on {threads} threads in {max((t[0] for t in took), default=now) - start:.1f} "
+                f"s (the build waited {now - waited:.1f} s)")
         if took:
-            slow, name = max(took)
-            line += f"; slowest {name} {slow:.1f} s, all compiles together {sum(t for t, _ in took):.1f} s"
+            _, slow, name = max(took, key=lambda t: t[1])
+            line += f"; slowest {name} {slow:.1f} s, all compiles together {sum(t[1] for t in took):.1f} s"
         if failed:
             line += f"; {len(failed)} failed (compiled at their first call instead): {failed[0]}"
         return line

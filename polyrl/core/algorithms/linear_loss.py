@@ -132,6 +132,14 @@ def anchored(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return FusedLossAnchor.apply(hidden, weight, bias, dh, dw, db), logp, ent
 
 
+def check_loss_inputs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                      chunk_size: int, vocab_chunk_size: int | None, temperature: float) -> None:
+    """``linear_logprobs``' input checks, and rows only: hidden [N, H], labels [N] (ValueError otherwise)."""
+    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
+    if hidden.dim() != 2 or labels.dim() != 1:
+        raise ValueError(f"hidden must be [N, H] and labels [N], got {tuple(hidden.shape)}, {tuple(labels.shape)}")
+
+
 def input_needs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[bool, bool, bool]:
     """Which of hidden, weight, bias want a gradient (autograd on and requires_grad)."""
     on = torch.is_grad_enabled()
@@ -159,11 +167,10 @@ def linear_logprob_loss(
         chunk_size: token rows per chunk (and per tile); vocab_chunk_size: vocabulary columns per tile.
         temperature: τ; compute_entropy: False gives zero entropies and allows no entropy gradient.
     """
-    check_linear_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
-    if hidden.dim() != 2 or labels.dim() != 1:
-        raise ValueError(f"hidden must be [N, H] and labels [N], got {tuple(hidden.shape)}, {tuple(labels.shape)}")
+    check_loss_inputs(hidden, weight, bias, labels, chunk_size, vocab_chunk_size, temperature)
     labels = labels.long()
     tau = float(temperature)
+    needs = input_needs(hidden, weight, bias)
 
     def stats(h: torch.Tensor, lab: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
         logp, ent, lse = linear_forward_stats(h, weight, bias, lab, chunk_size=len(h),
@@ -180,7 +187,6 @@ def linear_logprob_loss(
             db += db_c
         return dh_c
 
-    needs = input_needs(hidden, weight, bias)
     with torch.no_grad():
         logp, ent, dh, dw, db = fused_loss_forward(
             hidden.detach(), weight.detach(), None if bias is None else bias.detach(), labels, token_grad,

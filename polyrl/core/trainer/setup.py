@@ -342,6 +342,12 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
         task = build_task(cfg)
         tokenizer = build_tokenizer(cfg, task)
         models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
+        # the log-prob path, read off the built actor: refused here, before the engine is built, where it cannot run
+        fused = fused_kernel_for(cfg.model.fused_logprobs, models.actor, backend)
+        if cfg.model.fused_loss and fused is None:
+            raise BadInputError("model.fused_loss=true needs the fused log-prob path, and model.fused_logprobs="
+                                f"{cfg.model.fused_logprobs} runs the logits path for this model; set "
+                                "model.fused_logprobs=true (or model.fused_loss=false)")
     except BaseException:
         getattr(precompiling, "cancel", lambda: None)()  # the compiles not started yet are not waited for at exit
         raise
@@ -364,11 +370,6 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
         engine.merge_adapters = cfg.model.lora.merge_for_rollout
     rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,
                       task_rng=state.task_rng, device=device)
-    fused = fused_kernel_for(cfg.model.fused_logprobs, models.actor, backend)
-    if cfg.model.fused_loss and fused is None:
-        raise BadInputError("model.fused_loss=true needs the fused log-prob path, and model.fused_logprobs="
-                            f"{cfg.model.fused_logprobs} runs the logits path for this model; set "
-                            "model.fused_logprobs=true (or model.fused_loss=false)")
     actor = Learner(models.actor, models.optimizer, state.shuffle_gen, packed, pad_id, backend.logprobs, fused,
                     replay=replay, linear_logprob_loss=backend.linear_logprob_loss if cfg.model.fused_loss else None)
     critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, packed, pad_id)
