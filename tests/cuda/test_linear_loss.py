@@ -13,6 +13,7 @@ import torch
 from linear_logprobs_cases import fused_loss_grads, loss_inputs, make_inputs, unfused_loss_grads
 
 import polyrl.backends.cuda.linear_logprobs as LL
+import polyrl.core.algorithms.linear_loss as LOSS
 from polyrl.core.algorithms.linear_logprobs import linear_logprobs_and_entropy
 from polyrl.core.algorithms.linear_loss import linear_logprob_loss
 from polyrl.core.tolerances import relative_error, tolerance
@@ -75,9 +76,9 @@ def test_cublas_fused_loss_equals_the_unfused_path(epilogue, N, H, V, dtype, wit
 def test_dw_summed_in_the_weight_dtype_past_its_budget(epilogue, monkeypatch) -> None:
     """A dW too large for an fp32 sum (GPT-OSS width) is summed in the weight's dtype, one rounding per token chunk:
     still within the fp16 gradient bar at 4 chunks."""
-    monkeypatch.setattr(LL, "DW_FP32_BYTES", 0)
+    monkeypatch.setattr(LOSS, "DW_FP32_BYTES", 0)
     hidden, weight, bias, labels, _, _ = make_inputs(29, 16, 60, torch.float16, True, seed=6)
-    assert LL.dw_accumulator_dtype(weight) == torch.float16
+    assert LOSS.dw_accumulator_dtype(weight) == torch.float16
     terms = loss_inputs(29)
     got = fused_loss_grads(LL.cublas_linear_logprob_loss, hidden, weight, bias, labels, 0.9, terms, chunk_size=8)
     ref = unfused_loss_grads(linear_logprobs_and_entropy, hidden, weight, bias, labels, 0.9, terms, chunk_size=8)
@@ -86,12 +87,12 @@ def test_dw_summed_in_the_weight_dtype_past_its_budget(epilogue, monkeypatch) ->
 
 def test_chunk_rows_and_dw_dtype_at_gpt_oss_width() -> None:
     V, H = 201088, 2880
-    assert LL.fused_token_chunk(16384, V, 2, 1024) == 256  # fp32 z + bf16 ∂z of 256 rows: 294 MiB
-    assert LL.fused_token_chunk(16384, V, 4, 1024) == 384  # fp32: ∂z overwrites z
-    assert LL.fused_token_chunk(100, 8192, 2, 1024) == 100
+    assert LOSS.fused_token_chunk(16384, V, 2, 1024) == 256  # fp32 z + bf16 ∂z of 256 rows: 294 MiB
+    assert LOSS.fused_token_chunk(16384, V, 4, 1024) == 384  # fp32: ∂z overwrites z
+    assert LOSS.fused_token_chunk(100, 8192, 2, 1024) == 100
     big = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
-    assert LL.dw_accumulator_dtype(big) == torch.bfloat16  # fp32 would be 2.2 GiB
-    assert LL.dw_accumulator_dtype(torch.empty(8192, 64, dtype=torch.bfloat16, device="meta")) == torch.float32
+    assert LOSS.dw_accumulator_dtype(big) == torch.bfloat16  # fp32 would be 2.2 GiB
+    assert LOSS.dw_accumulator_dtype(torch.empty(8192, 64, dtype=torch.bfloat16, device="meta")) == torch.float32
 
 
 @pytest.mark.parametrize("fn", ["reference", "cublas"])
@@ -131,7 +132,7 @@ def test_gpu_cublas_fused_loss_equals_the_unfused_path(N, H, V, with_bias, dw_bu
     """On the GPU, bf16 / fp32 (the Triton epilogues compiled, cuBLAS fp32-output GEMMs): values and gradients
     against the unfused cuBLAS path with the same loss; ``dw_budget`` 0 sums dW in the weight's dtype."""
     if dw_budget is not None:
-        monkeypatch.setattr(LL, "DW_FP32_BYTES", dw_budget)
+        monkeypatch.setattr(LOSS, "DW_FP32_BYTES", dw_budget)
     hidden, weight, bias, labels, _, _ = make_inputs(N, H, V, dtype, with_bias, seed=7, label_in_last_tile=True)
     terms = loss_inputs(N)
     got = fused_loss_grads(LL.cublas_linear_logprob_loss, hidden, weight, bias, labels, 0.8, terms, device="cuda",

@@ -91,9 +91,27 @@ def test_sharding_divides_the_state_and_the_fused_flag_shrinks_logits():
                                                                            rel=1e-3)
     assert eight.rows["gathered layers (FSDP2)"] > 0 == one.rows["gathered layers (FSDP2)"]
     cfg.model.fused_logprobs = "auto"  # the default: GPT-OSS's nn.Linear lm_head allows the fused op
+    cfg.model.fused_loss = False  # its own test below
     fused = plan_memory(cfg, cuda, nproc=8)
     assert "fused" in fused.logprob_path and "full logits" in eight.logprob_path
     assert fused.rows["log-prob path (logits)"] < eight.rows["log-prob path (logits)"] / 10
+
+
+def test_the_fused_loss_row_holds_dw_and_dh_where_the_trainer_takes_it():
+    """``model.fused_loss`` (auto: the cuda backend has its own kernel, the cpu reference does not): the plan counts
+    one token chunk's logits and their gradient, dH and the whole dW, held from the forward to the backward."""
+    cfg = load_config("gpt_oss_dapo")
+    registry = get_registry().backends
+    assert cfg.model.fused_loss == "auto"
+    on = plan_memory(cfg, registry["cuda"], nproc=8)
+    cpu = plan_memory(cfg, registry["cpu"], nproc=8)
+    cfg.model.fused_loss = False
+    off = plan_memory(cfg, registry["cuda"], nproc=8)
+    assert "loss's gradient in its forward" in on.logprob_path and "bf16/fp16 dW" in on.logprob_path
+    assert "loss's gradient" not in off.logprob_path and "loss's gradient" not in cpu.logprob_path
+    V, H = 201088, 2880
+    extra = on.rows["log-prob path (logits)"] - off.rows["log-prob path (logits)"]
+    assert V * H * 2 / 2**30 < extra < (V * H * 2 + 384 * 2**20 + 65536 * H * 2) / 2**30
 
 
 def _saved_bytes_per_token(model: torch.nn.Module, T: int) -> float:

@@ -90,3 +90,19 @@ def test_the_fused_loss_without_the_fused_path_is_refused(tmp_path: Path, run_cl
                           "model.fused_loss=true", "trainer.total_steps=1"])
     assert rc == 2
     assert "model.fused_loss=true needs the fused log-prob path" in err and "Traceback" not in err
+
+
+def test_auto_takes_the_fused_loss_where_the_backend_has_its_own_kernel() -> None:
+    """The rule trainer and plan share: auto on the fused path only with a backend kernel of its own (the cpu
+    backend's is the core reference, which recomputes the logits); true without the fused path is refused."""
+    from polyrl.core.errors import BadInputError
+    from polyrl.core.models.lm_head import uses_fused_loss
+    from polyrl.core.plugins.registry import get_registry
+
+    backends = get_registry().backends
+    cpu, cuda = backends["cpu"], backends["cuda"]
+    assert uses_fused_loss("auto", True, cuda) and not uses_fused_loss("auto", True, cpu)
+    assert not uses_fused_loss("auto", False, cuda) and not uses_fused_loss(False, True, cuda)
+    assert uses_fused_loss(True, True, cpu)
+    with pytest.raises(BadInputError, match="model.fused_loss=true needs the fused log-prob path"):
+        uses_fused_loss(True, False, cuda)

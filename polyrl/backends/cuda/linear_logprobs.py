@@ -509,27 +509,8 @@ def triton_linear_logprobs(
 
 
 # --- the loss's gradient in the forward (polyrl.core.algorithms.linear_loss): three matmuls, not four ---------
-FUSED_CHUNK_BYTES = 384 * 2**20  # one token chunk's fp32 logits + their ∂z in the inputs' dtype
-DW_FP32_BYTES = 512 * 2**20  # dW summed over token chunks in fp32 up to this size, else in the weight's dtype
-
-
-def fused_token_chunk(N: int, V: int, itemsize: int, chunk_size: int) -> int:
-    """Token rows per chunk of the fused loss: ``chunk_size``, fewer when the chunk's fp32 logits and ∂z would pass
-    FUSED_CHUNK_BYTES (then a multiple of 128 rows where possible: 256 at V = 201088 in bf16), never more than N."""
-    per_row = max(1, V) * (4 + (itemsize if itemsize != 4 else 0))
-    rows = FUSED_CHUNK_BYTES // per_row
-    if rows >= 128:
-        rows = rows // 128 * 128
-    return max(1, min(chunk_size, rows, N))
-
-
-def dw_accumulator_dtype(weight: torch.Tensor) -> torch.dtype:
-    """fp32 where the [V, H] fp32 sum fits DW_FP32_BYTES, else the weight's dtype: at GPT-OSS width (201088 x 2880)
-    an fp32 dW would be 2.2 GiB, so it is summed in bf16 there, one rounding per token chunk (as Liger's fused
-    linear cross-entropy does)."""
-    if weight.dtype == torch.float32 or weight.numel() * 4 <= DW_FP32_BYTES:
-        return torch.float32
-    return weight.dtype
+# Its chunk rows and dW dtype: polyrl.core.algorithms.linear_loss.fused_token_chunk / dw_accumulator_dtype (core,
+# so that the dry-run memory plan reads the same rule).
 
 
 def cublas_linear_logprob_loss(
@@ -550,13 +531,15 @@ def cublas_linear_logprob_loss(
     same z, then dH_c = ∂z @ W (one cuBLAS call over the whole vocabulary: one rounding), dW += ∂z^T @ h_c and
     db += Σ ∂z. Three [Tc, V, H] matmuls per chunk where ``cublas_linear_logprobs`` and its backward make four.
 
-    Memory: the chunk's z and ∂z (≤ FUSED_CHUNK_BYTES), dH [N, H] in the inputs' dtype, dW (``dw_accumulator_dtype``)
+    Memory: the chunk's z and ∂z (≤ linear_loss.FUSED_CHUNK_BYTES), dH [N, H] in the inputs' dtype, dW (``dw_accumulator_dtype``)
     and db, all kept from the forward to the backward. ``vocab_chunk_size`` is accepted for the contract (the
     float64 reference uses it). float64 inputs run the core reference."""
     from polyrl.core.algorithms.linear_loss import (
         anchored,
         check_loss_inputs,
+        dw_accumulator_dtype,
         fused_loss_forward,
+        fused_token_chunk,
         input_needs,
         linear_logprob_loss,
     )

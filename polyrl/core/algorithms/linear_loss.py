@@ -43,6 +43,30 @@ from polyrl.core.algorithms.linear_logprobs import (
     stats_dtype,
 )
 
+# --- what a fused loss op holds: the budgets of the cuda backend's (the dry-run memory plan models the same) -------
+FUSED_CHUNK_BYTES = 384 * 2**20  # one token chunk's fp32 logits + their ∂z in the inputs' dtype
+DW_FP32_BYTES = 512 * 2**20  # dW summed over token chunks in fp32 up to this size, else in the weight's dtype
+
+
+def fused_token_chunk(N: int, V: int, itemsize: int, chunk_size: int) -> int:
+    """Token rows per chunk of the fused loss: ``chunk_size``, fewer when the chunk's fp32 logits and ∂z would pass
+    FUSED_CHUNK_BYTES (then a multiple of 128 rows where possible: 256 at V = 201088 in bf16), never more than N."""
+    per_row = max(1, V) * (4 + (itemsize if itemsize != 4 else 0))
+    rows = FUSED_CHUNK_BYTES // per_row
+    if rows >= 128:
+        rows = rows // 128 * 128
+    return max(1, min(chunk_size, rows, N))
+
+
+def dw_accumulator_dtype(weight: torch.Tensor) -> torch.dtype:
+    """fp32 where the [V, H] fp32 sum fits DW_FP32_BYTES, else the weight's dtype: at GPT-OSS width (201088 x 2880)
+    an fp32 dW would be 2.2 GiB, so it is summed in bf16 there, one rounding per token chunk (as Liger's fused
+    linear cross-entropy does)."""
+    if weight.dtype == torch.float32 or weight.numel() * 4 <= DW_FP32_BYTES:
+        return torch.float32
+    return weight.dtype
+
+
 TokenGrad = Callable[[int, int, torch.Tensor, torch.Tensor], tuple[torch.Tensor | None, torch.Tensor | None]]
 # (hidden rows [n, H], their labels [n]) -> (logp, ent, lse) fp32 [n] and what ``ChunkGrads`` needs of the chunk
 ChunkStats = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]]

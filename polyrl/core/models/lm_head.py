@@ -125,6 +125,27 @@ def uses_fused_logprobs(setting: bool | str, model: torch.nn.Module) -> bool:
     return True
 
 
+def uses_fused_loss(setting: bool | str, fused_path: bool, backend: Any) -> bool:
+    """Does ``model.fused_loss`` = ``setting`` take the actor loss's gradient inside the fused op? The one rule, read
+    by the trainer and by the dry-run plan. ``fused_path``: :func:`uses_fused_logprobs` said yes. "auto": on the
+    fused path, where the backend provides its own ``linear_logprob_loss`` kernel (the core reference recomputes each
+    chunk's logits: its value is the semantics, it saves nothing); true: on the fused path, or a BadInputError
+    naming why not; false: never."""
+    if setting is False or setting == "false":
+        return False
+    if not fused_path:
+        if setting is True or setting == "true":
+            from polyrl.core.errors import BadInputError
+
+            raise BadInputError("model.fused_loss=true needs the fused log-prob path, and model.fused_logprobs runs "
+                                "the logits path for this model; set model.fused_logprobs=true (or "
+                                "model.fused_loss=false)")
+        return False
+    if setting == "auto":
+        return not backend.is_reference and "linear_logprob_loss" in backend.introspection.provided_kernels()
+    return True
+
+
 def fused_kernel_for(setting: bool | str, model: torch.nn.Module, backend: Any) -> Callable[..., Any] | None:
     """The ``linear_logprobs`` kernel to use for ``model`` under ``model.fused_logprobs`` = ``setting``, or None
     (the logits path): ``backend.linear_logprobs`` where :func:`uses_fused_logprobs` says so."""

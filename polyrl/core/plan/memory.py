@@ -32,7 +32,7 @@ from polyrl.core.data.packing import micro_batch_token_bound, packs_documents
 from polyrl.core.distributed.sharding import sharding_policy
 from polyrl.core.dtypes import compute_dtype
 from polyrl.core.errors import BadInputError
-from polyrl.core.models.lm_head import uses_fused_logprobs
+from polyrl.core.models.lm_head import uses_fused_logprobs, uses_fused_loss
 from polyrl.core.plan.rollout import vllm_plan
 from polyrl.core.plan.rows import KNOBS, LABELS, PlanRows
 
@@ -464,9 +464,24 @@ def _update_rows(cfg: RunConfig, backend: Backend, config: Any, actor_model: Any
         from polyrl.core.algorithms.linear_logprobs import vocab_chunk_for
 
         vchunk = vocab_chunk_for(chunk, V, None)
-        # one fp32 [chunk, vocab chunk] tile in forward and one in backward, and backward's fp32 dW block
-        logits = 2 * chunk * vchunk * 4 + vchunk * config.hidden_size * 4
-        logprob_path = f"fused lm_head + log-prob (fp32 [{chunk}, {vchunk}] tiles, no [T, V] logits)"
+        if uses_fused_loss(cfg.model.fused_loss, True, backend):
+            from polyrl.core.algorithms.linear_loss import dw_accumulator_dtype, fused_token_chunk
+
+            # the loss's gradient in the forward: one token chunk's fp32 logits and their gradient (in place for
+            # fp32), then dH [T, H] and the whole dW (fp32 where that fits the op's budget) held to the backward
+            rows_c = fused_token_chunk(tokens, V, c, chunk)
+            import torch
+
+            head = torch.empty(V, config.hidden_size, dtype=torch.float32 if c == 4 else torch.bfloat16, device="meta")
+            acc = dw_accumulator_dtype(head).itemsize
+            logits = rows_c * V * (4 + (c if c != 4 else 0)) + tokens * config.hidden_size * c
+            logits += V * config.hidden_size * acc
+            logprob_path = (f"fused lm_head + log-prob with the loss's gradient in its forward (fp32 [{rows_c}, "
+                            f"{V}] chunks; dH and a {'fp32' if acc == 4 else 'bf16/fp16'} dW held to the backward)")
+        else:
+            # one fp32 [chunk, vocab chunk] tile in forward and one in backward, and backward's fp32 dW block
+            logits = 2 * chunk * vchunk * 4 + vchunk * config.hidden_size * 4
+            logprob_path = f"fused lm_head + log-prob (fp32 [{chunk}, {vchunk}] tiles, no [T, V] logits)"
     else:
         # forward: [T, V] logits; the chunked log-prob keeps the response rows [N, V]; backward adds their
         # gradient and the [T, V] gradient of the logits, plus one fp32 [chunk, V] block

@@ -23,7 +23,7 @@ from polyrl.core.data.packing import packs_documents
 from polyrl.core.distributed.sharding import sharding_policy
 from polyrl.core.dtypes import lowest_precision, torch_dtype
 from polyrl.core.errors import BadInputError
-from polyrl.core.models.lm_head import fused_kernel_for
+from polyrl.core.models.lm_head import fused_kernel_for, uses_fused_loss
 from polyrl.core.rollout import RolloutEngine, build_engine, choose_engine
 from polyrl.core.trainer import sync
 from polyrl.core.trainer.critic import ValueModel
@@ -344,10 +344,7 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
         models = build_models(cfg, len(tokenizer) if task.vocab() else None, backend, device)
         # the log-prob path, read off the built actor: refused here, before the engine is built, where it cannot run
         fused = fused_kernel_for(cfg.model.fused_logprobs, models.actor, backend)
-        if cfg.model.fused_loss and fused is None:
-            raise BadInputError("model.fused_loss=true needs the fused log-prob path, and model.fused_logprobs="
-                                f"{cfg.model.fused_logprobs} runs the logits path for this model; set "
-                                "model.fused_logprobs=true (or model.fused_loss=false)")
+        fused_loss = uses_fused_loss(cfg.model.fused_loss, fused is not None, backend)
     except BaseException:
         getattr(precompiling, "cancel", lambda: None)()  # the compiles not started yet are not waited for at exit
         raise
@@ -371,7 +368,7 @@ def build_components(cfg: RunConfig, backend: Backend, device: torch.device) -> 
     rollout = Rollout(task=task, tokenizer=tokenizer, engine=engine, sampling=sampling, sample_gen=state.sample_gen,
                       task_rng=state.task_rng, device=device)
     actor = Learner(models.actor, models.optimizer, state.shuffle_gen, packed, pad_id, backend.logprobs, fused,
-                    replay=replay, linear_logprob_loss=backend.linear_logprob_loss if cfg.model.fused_loss else None)
+                    replay=replay, linear_logprob_loss=backend.linear_logprob_loss if fused_loss else None)
     critic = (Learner(models.critic, models.critic_optimizer, state.shuffle_gen, packed, pad_id)
               if models.critic is not None else None)
     probe = sync.probe_sequences(actor_cfg, int(getattr(actor_cfg, "vocab_size", 2)), max_len=max_len)
