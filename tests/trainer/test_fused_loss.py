@@ -104,5 +104,5 @@ def test_auto_takes_the_fused_loss_where_the_backend_has_its_own_kernel() -> Non
     assert uses_fused_loss("auto", True, cuda) and not uses_fused_loss("auto", True, cpu)
     assert not uses_fused_loss("auto", False, cuda) and not uses_fused_loss(False, True, cuda)
     assert uses_fused_loss(True, True, cpu)
-    with pytest.raises(BadInputError, match="model.fused_loss=true needs the fused log-prob path"):
+    with pytest.raises(BadInputError, match=r"model\.fused_loss=true needs the fused log-prob path"):
         uses_fused_loss(True, False, cuda)
