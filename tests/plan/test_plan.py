@@ -100,9 +100,8 @@ def test_sharding_divides_the_state_and_the_fused_flag_shrinks_logits():
 def test_the_fused_loss_row_holds_dw_and_dh_where_the_trainer_takes_it():
     """``model.fused_loss`` (auto: the cuda backend has its own kernel, the cpu reference does not): the plan counts
     one token chunk's logits and their gradient, dH and the whole dW, held from the forward to the backward."""
-    cfg = load_config("gpt_oss_dapo")
+    cfg = load_config("gpt_oss_dapo", ["model.fused_loss=auto"])
     registry = get_registry().backends
-    assert cfg.model.fused_loss == "auto"
     on = plan_memory(cfg, registry["cuda"], nproc=8)
     cpu = plan_memory(cfg, registry["cpu"], nproc=8)
     cfg.model.fused_loss = False
