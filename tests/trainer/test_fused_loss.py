@@ -10,13 +10,10 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
-from tiny_policy import BATCH, FAMILIES, tiny_model
+from tiny_policy import FAMILIES, fused_loss_step, tiny_model
 
 from polyrl.backends.cpu import CpuBackend
-from polyrl.core import algorithms as A
 from polyrl.core.tolerances import relative_error, tolerance
-from polyrl.core.trainer.batch import policy_forward
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -24,41 +21,10 @@ def model(request):
     return tiny_model(request.param)
 
 
-def _loss_terms(logp: torch.Tensor, ent: torch.Tensor) -> torch.Tensor:
-    """The actor loss's shape: clipped surrogate (seq-mean-token-mean), k3 KL, entropy bonus."""
-    mask = BATCH.mask
-    old = torch.full_like(mask, -2.5)
-    adv = torch.linspace(-1.0, 1.0, mask.numel()).reshape(mask.shape)
-    agg = dict(global_tokens=8, global_seqs=3, max_len=4)
-    pg, _ = A.policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", **agg)
-    kl = A.aggregate(A.kl_penalty(logp, old + 0.1, "low_var_kl"), mask, "seq-mean-token-mean", **agg)
-    return pg + 0.05 * kl - 0.01 * A.entropy_loss(ent, mask, agg="seq-mean-token-mean", **agg)
-
-
-def _run(model, packed: bool, fused_loss: bool):
-    model.zero_grad(set_to_none=True)
-    backend = CpuBackend()
-    kw = dict(packed=packed, pad_id=0, temperature=0.7, chunk_size=2, compute_entropy=True,
-              linear_logprobs=backend.linear_logprobs)
-    if fused_loss:
-        anchor, logp, ent = policy_forward(model, BATCH, [0, 1, 2], **kw, linear_logprob_loss=backend.linear_logprob_loss,
-                                           loss_terms=_loss_terms)
-        assert not logp.requires_grad and anchor.requires_grad
-        with torch.no_grad():
-            value = _loss_terms(logp, ent)
-        loss = value + anchor
-    else:
-        logp, ent = policy_forward(model, BATCH, [0, 1, 2], **kw)
-        loss = _loss_terms(logp, ent)
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return loss.detach(), logp.detach(), ent.detach(), grads
-
-
 @pytest.mark.parametrize("packed", [True, False])
 def test_fused_loss_equals_the_fused_logprobs_then_the_loss(model, packed) -> None:
-    loss_a, lp_a, ent_a, grads_a = _run(model, packed, fused_loss=False)
-    loss_b, lp_b, ent_b, grads_b = _run(model, packed, fused_loss=True)
+    loss_a, lp_a, ent_a, grads_a = fused_loss_step(model, CpuBackend(), packed, fused_loss=False)
+    loss_b, lp_b, ent_b, grads_b = fused_loss_step(model, CpuBackend(), packed, fused_loss=True)
     bar, grad_bar = tolerance("algorithms.linear_logprobs", "float32"), tolerance("model.grads", "float32")
     for what, a, b in (("loss", loss_a, loss_b), ("logp", lp_a, lp_b), ("entropy", ent_a, ent_b)):
         assert relative_error(b, a) <= bar, what
