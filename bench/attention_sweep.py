@@ -30,16 +30,27 @@ CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
     "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 8, 4),
              (64, 128, 8, 2), (64, 128, 8, 3), (64, 128, 4, 3), (16, 128, 4, 4), (128, 128, 8, 2), (128, 64, 8, 3),
              # 128 resident keys that compile without spills for sm_90 (bench/kernel_resources.py, Triton 3.6.0):
-             # 244 / 255 / 219 registers, 0 stack bytes; not yet timed on a GPU
+             # 244 / 255 / 219 registers, 0 stack bytes; timed on an H200 (2026-12-07): the last is the Hopper pick
              (16, 128, 4, 2), (32, 128, 4, 1), (64, 128, 8, 1)],
 }
 H_Q, H_KV, HEAD_DIM = 64, 8, 64
 
 
-def config_label(cfg: tuple[int, int, int, int], heavy_first: bool = False) -> str:
-    """How a candidate is named in the printed table and the JSON: ``M128 N64 w4 s3`` (+ `` heavy-first``)."""
+# The kernels' variants beside the launch config, swept on the first candidates: the forward and dQ start their
+# heaviest (last) q tiles first; dK/dV loads the next q tile before this one's matmuls (PREFETCH).
+VARIANTS = {"fwd": "heavy-first", "dq": "heavy-first", "dkdv": "prefetch"}
+VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with its variant too, unless listed here:
+VARIANT_CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
+    # the Hopper pick (configs.HOPPER_PICKS) and tiles with registers to spare for the next tile's q and dO
+    "dkdv": [(64, 128, 8, 1), (64, 64, 4, 2), (64, 64, 4, 1), (32, 128, 4, 1), (64, 128, 8, 2), (32, 64, 4, 2)],
+}
+
+
+def config_label(cfg: tuple[int, int, int, int], variant: bool = False, kernel: str = "fwd") -> str:
+    """How a candidate is named in the printed table and the JSON: ``M128 N64 w4 s3`` (+ `` heavy-first`` /
+    `` prefetch``, the kernel's variant)."""
     m, n, w, s = cfg
-    return f"M{m} N{n} w{w} s{s}" + (" heavy-first" if heavy_first else "")
+    return f"M{m} N{n} w{w} s{s}" + (f" {VARIANTS[kernel]}" if variant else "")
 
 
 def _case(layout: str, window: int | None, device: str = "cuda", dtype=None):
@@ -91,8 +102,9 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                   DOT_PREC="tf32" if q.dtype != torch.float32 else "ieee", BAND=band)
     sink_arg = sinks.detach().float().contiguous()
 
-    def run(kernel: str, cfg: tuple[int, int, int, int], heavy_first: bool = False):
+    def run(kernel: str, cfg: tuple[int, int, int, int], variant: bool = False):
         m, n, w, s = cfg
+        heavy_first = variant
         launch = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
         if kernel == "fwd":
             o2 = torch.empty_like(o)
@@ -121,20 +133,19 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H_Q)
 
         def go():
-            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n), H_KV)](*args, **common, **launch)
+            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n), H_KV)](*args, **common, PREFETCH=variant, **launch)
         return go, (dk, dv)
 
     result: dict = {"layout": layout, "window": window, "kernels": {}}
     for kernel, cands in (candidates or CANDIDATES).items():
-        variants = [(c, False) for c in cands]
-        if kernel in ("fwd", "dq"):
-            variants += [(c, True) for c in cands[:4]]  # heavy (last) q tiles first
+        listed = VARIANT_CANDIDATES.get(kernel) if candidates is None else None
+        variants = [(c, False) for c in cands] + [(c, True) for c in (listed or cands[:VARIANT_FIRST])]
         ref = None
         rows = []
-        for cfg, heavy in variants:
-            label = config_label(cfg, heavy)
+        for cfg, variant in variants:
+            label = config_label(cfg, variant, kernel)
             try:
-                go, outs = run(kernel, cfg, heavy)
+                go, outs = run(kernel, cfg, variant)
                 go()
                 sync()
                 ms = do_bench(go, warmup=25, rep=100)

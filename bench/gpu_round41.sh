@@ -39,7 +39,9 @@
 #      outside the steps against about 6 s on 2 CPU cores: which part grows on the GPU?
 # sweep:
 #   7. bench/attention_sweep.py at 4x4096 and 1x16384 (causal): every candidate of the three Triton kernels, among
-#      them three 128-key dK/dV configs that compile without spills (docs/performance.md, "the compiled code").
+#      them three 128-key dK/dV configs that compile without spills (docs/performance.md, "the compiled code"), and
+#      (since 2026-12-07's seventh session, not yet run on a GPU) the dK/dV kernel's PREFETCH variant (the next q
+#      tile's loads issued before this tile's matmuls) on six configs, the Hopper pick first.
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
 set -uo pipefail
 PART=${1:-experts}

@@ -23,7 +23,8 @@ def test_sweep_runs_every_kernel_and_compares_with_the_default():
     r = mod.sweep_layout("2x24", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands)
     for kernel in cands:
         rows = r["kernels"][kernel]["rows"]
-        assert len(rows) == len(cands[kernel]) + (len(cands[kernel]) if kernel != "dkdv" else 0)
+        assert len(rows) == 2 * len(cands[kernel])  # each candidate alone and with the kernel's variant
+        assert rows[-1]["config"].endswith(mod.VARIANTS[kernel])
         assert rows[0]["max_rel_diff_vs_default"] == 0.0
         assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows)  # fp32: tiling only
     assert r["best_fwd_bwd_kernels_ms"] <= r["default_fwd_bwd_kernels_ms"]

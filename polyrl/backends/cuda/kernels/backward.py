@@ -133,10 +133,10 @@ def attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
-               stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-               D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr,
-               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+def _dkdv_rows(a, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, stride_qh, stride_dot, stride_doh,
+               offs_r, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr):
+    """The q tile at token ``a``: its rows' q (M, D), dO (M, DV), LSE' in log2 units and D (invalid rows: LSE' =
+    +inf, so P' = 0)."""
     t_row = a + offs_r // G_P
     g_row = offs_r % G_P
     h_row = kvh * G + g_row
@@ -147,18 +147,43 @@ def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_
                  mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (M, DV)
     lse2 = tl.load(lse_ptr + t_row * HQ + h_row, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptr + t_row * HQ + h_row, mask=row_ok, other=0.0)
+    return q, do, lse2, delta
+
+
+@triton.jit
+def _dkdv_math(dk, dv, k, v, q, do, lse2, delta, qk_scale, DOT_PREC: tl.constexpr):
+    """An unmasked tile pair's dK/dV update from the loaded q tile."""
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BN, M)
-    if MASKED:
-        ds_row = tl.load(doc_start_ptr + t_row, mask=t_row < T, other=0)
-        vis = (j[:, None] <= t_row[None, :]) & (j[:, None] >= ds_row[None, :])
-        if HAS_WINDOW:
-            vis = vis & (t_row[None, :] - j[:, None] < W)
-        sT = tl.where(vis, sT, float("-inf"))
     pT = tl.exp2(sT - lse2[None, :])
     dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, M)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+               stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
+               D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr,
+               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+    q, do, lse2, delta = _dkdv_rows(a, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, stride_qh,
+                                    stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P)
+    if MASKED:
+        t_row = a + offs_r // G_P
+        ds_row = tl.load(doc_start_ptr + t_row, mask=t_row < T, other=0)
+        vis = (j[:, None] <= t_row[None, :]) & (j[:, None] >= ds_row[None, :])
+        if HAS_WINDOW:
+            vis = vis & (t_row[None, :] - j[:, None] < W)
+        sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BN, M)
+        sT = tl.where(vis, sT, float("-inf"))
+        pT = tl.exp2(sT - lse2[None, :])
+        dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
+        dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, M)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
+    else:
+        dk, dv = _dkdv_math(dk, dv, k, v, q, do, lse2, delta, qk_scale, DOT_PREC)
     return dk, dv
 
 
@@ -173,7 +198,7 @@ def attn_bwd_dkdv_kernel(
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
     c = tl.program_id(0) * BLOCK_N
@@ -214,10 +239,22 @@ def attn_bwd_dkdv_kernel(
             dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
                                 stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
                                 D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
-        for a in range(s1, s2, BLOCK_T):
-            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
-                                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                                D, DV, G_P, False, HAS_WINDOW, DOT_PREC)
+        if PREFETCH:
+            # the interior walk with the next q tile's loads issued before this tile's matmuls (in registers: no
+            # cp.async stage, which costs this kernel its registers), so their latency hides behind the math
+            qn, don, lsen, deltan = _dkdv_rows(s1, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt,
+                                               stride_qh, stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P)
+            for a in range(s1, s2, BLOCK_T):
+                qc, doc, lsec, deltac = qn, don, lsen, deltan
+                qn, don, lsen, deltan = _dkdv_rows(a + BLOCK_T, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ,
+                                                   stride_qt, stride_qh, stride_dot, stride_doh, offs_r, offs_d,
+                                                   offs_dv, D, DV, G_P)
+                dk, dv = _dkdv_math(dk, dv, k, v, qc, doc, lsec, deltac, qk_scale, DOT_PREC)
+        else:
+            for a in range(s1, s2, BLOCK_T):
+                dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W,
+                                    G, HQ, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d,
+                                    offs_dv, D, DV, G_P, False, HAS_WINDOW, DOT_PREC)
         for a in range(s2, q_end, BLOCK_T):
             dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
                                 stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
