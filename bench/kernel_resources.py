@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_sweep import CANDIDATES, H_KV, H_Q, HEAD_DIM, config_label
+from attention_sweep import CANDIDATES, H_KV, H_Q, HEAD_DIM, VARIANT_CANDIDATES, config_label
 
 SASS_OPS = ("HGMMA", "UTMALDG", "LDGSTS", "LDL", "STL", "MUFU.EX2")
 
@@ -102,7 +102,7 @@ def resources(compiled) -> dict:
     return row
 
 
-def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: int) -> dict:
+def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: int, prefetch: bool = False) -> dict:
     """The constexprs polyrl.backends.cuda.attention passes for a GPT-OSS layer (bf16: DOT_PREC "tf32" is unused
     by bf16 dots; the band path for windows up to 256, as the default KernelOptions)."""
     g_p = H_Q // H_KV
@@ -112,6 +112,8 @@ def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: in
         c.update(HAS_SINK=True, HEAVY_FIRST=False)
     elif kernel == "dq":
         c.update(HEAVY_FIRST=False)
+    else:
+        c.update(PREFETCH=prefetch)
     return c
 
 
@@ -122,12 +124,12 @@ def kernels() -> dict:
     return {"fwd": attn_fwd_kernel, "dq": attn_bwd_dq_kernel, "dkdv": attn_bwd_dkdv_kernel}
 
 
-def measured(sweep: dict | None, kernel: str, window: int | None, cfg: tuple) -> list[float]:
-    """ms of this (kernel, window, config) in an attention_sweep.py JSON, one per layout (heavy-first rows left
-    out: the resources are those of the same code)."""
+def measured(sweep: dict | None, kernel: str, window: int | None, cfg: tuple, variant: bool = False) -> list[float]:
+    """ms of this (kernel, window, config, variant) in an attention_sweep.py JSON, one per layout (the forward's
+    and dQ's heavy-first rows are the same code: left out)."""
     if not sweep:
         return []
-    label = config_label(cfg)
+    label = config_label(cfg, variant, kernel)
     return [row["ms"] for case in sweep.get("results", []) if case.get("window") == window
             for row in case.get("kernels", {}).get(kernel, {}).get("rows", []) if row.get("config") == label]
 
@@ -179,15 +181,21 @@ def main(argv: list[str] | None = None) -> int:
     table = kernels()
     for window in windows:
         for name in wanted:
-            for cfg in CANDIDATES[name][: args.configs or None]:
+            # all candidates (or the first N), then (all only) the dK/dV kernel's PREFETCH variant: different code
+            variants = [(cfg, False) for cfg in CANDIDATES[name][: args.configs or None]]
+            if name == "dkdv" and not args.configs:
+                variants += [(cfg, True) for cfg in VARIANT_CANDIDATES["dkdv"]]
+            for cfg, variant in variants:
                 m, n, w, s = cfg
                 t0 = time.perf_counter()
-                compiled = compile_config(table[name], kernel_constexprs(name, window, m, n), w, s, args.capability)
+                compiled = compile_config(table[name], kernel_constexprs(name, window, m, n, variant), w, s,
+                                          args.capability)
                 r = resources(compiled)
-                ms = measured(sweep, name, window, cfg)
-                rows.append(dict(kernel=name, window=window, config=list(cfg), measured_ms=ms,
+                ms = measured(sweep, name, window, cfg, variant)
+                rows.append(dict(kernel=name, window=window, config=list(cfg), prefetch=variant, measured_ms=ms,
                                  compile_s=time.perf_counter() - t0, **r))
-                print(f"{name:5s} {window!s:>6s} {cfg!s:>29s} {r['registers']:5d} {r['stack_bytes']:8d} "
+                label = f"{cfg!s}{' prefetch' if variant else ''}"
+                print(f"{name:5s} {window!s:>6s} {label:>29s} {r['registers']:5d} {r['stack_bytes']:8d} "
                       f"{r['shared_bytes'] / 1024:10.1f} {r['HGMMA']:6d} {r['UTMALDG']:4d} {r['LDGSTS']:8d} "
                       f"{r['LDL'] + r['STL']:8d}  {' / '.join(f'{x:.3f}' for x in ms)}", flush=True)
     for case in (sweep or {}).get("results", []):  # the peer, from the same GPU run as the measured ms
