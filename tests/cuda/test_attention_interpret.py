@@ -296,3 +296,8 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     launched.clear()
     A._launch(_Tuner(), "dq", "grid", (q,), dict(meta, G_P=512), A.KernelOptions())  # rows below one token a tile
     assert launched[0][2]["BLOCK_M"] == 512  # prune_rows widens the tile to the group, as for the table path
+    # a row's variant flags (a fifth element) reach the kernel as constexprs
+    monkeypatch.setitem(C.HOPPER_PICKS, ("dkdv", 64, False), (64, 128, 8, 1, {"PREFETCH": True}))
+    launched.clear()
+    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions())
+    assert launched[0][2] == dict(meta, BLOCK_M=64, BLOCK_N=128, PREFETCH=True, num_warps=8, num_stages=1)

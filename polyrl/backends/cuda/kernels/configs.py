@@ -107,8 +107,10 @@ def fused_configs() -> list[triton.Config]:
 # (no cp.async pipeline: 219 registers, no spills, where two stages take 228 and three spill) took 3.926 ms against
 # the 64-key default's 4.086 at 4 x 4096 and 12.894 against 14.724 at 1 x 16384 (0.96x / 0.88x); the same tile
 # with two stages was 1.15x / 1.06x slower than the default.
-HOPPER_PICKS: dict[tuple[str, int, bool], tuple[int, int, int, int]] = {
-    # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# A row may add the kernel's variant flags as a fifth element (constexprs, e.g. ``{"PREFETCH": True}`` for dK/dV: the
+# next q tile's loads issued before this tile's matmuls; bench/attention_sweep.py times it, not yet on a GPU).
+HOPPER_PICKS: dict[tuple[str, int, bool], tuple[int, int, int, int] | tuple[int, int, int, int, dict[str, bool]]] = {
+    # (BLOCK_M, BLOCK_N, num_warps, num_stages[, variant flags])
     ("dq", 64, False): (256, 64, 8, 3),
     ("dkdv", 64, False): (64, 128, 8, 1),
 }
@@ -122,8 +124,8 @@ def measured_pick(kernel: str, d: int, dv: int, has_window: bool, capability: tu
     row = HOPPER_PICKS.get((kernel, head_dim_class(d, dv), bool(has_window)))
     if row is None:
         return None
-    m, n, w, s = row
-    return _cfg(w, s, BLOCK_M=m, BLOCK_N=n)
+    m, n, w, s, *flags = row
+    return _cfg(w, s, BLOCK_M=m, BLOCK_N=n, **(flags[0] if flags else {}))
 
 
 # --- the per-head-dim table (``configs="table"`` in polyrl.backends.cuda.attention) ------------------------
