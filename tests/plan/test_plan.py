@@ -111,6 +111,13 @@ def test_the_fused_loss_row_holds_dw_and_dh_where_the_trainer_takes_it():
     V, H = 201088, 2880
     extra = on.rows["log-prob path (logits)"] - off.rows["log-prob path (logits)"]
     assert V * H * 2 / 2**30 < extra < (V * H * 2 + 384 * 2**20 + 65536 * H * 2) / 2**30
+    # under LoRA the base lm_head is frozen: no dW (the op makes none for a weight without a gradient)
+    lora = load_config("gpt_oss_dapo_lora", ["model.fused_loss=auto"])
+    lora_on = plan_memory(lora, registry["cuda"], nproc=1)
+    lora.model.fused_loss = False
+    lora_off = plan_memory(lora, registry["cuda"], nproc=1)
+    assert "no dW" in lora_on.logprob_path
+    assert 0 < lora_on.rows["log-prob path (logits)"] - lora_off.rows["log-prob path (logits)"] < V * H * 2 / 2**30
 
 
 def _saved_bytes_per_token(model: torch.nn.Module, T: int) -> float:

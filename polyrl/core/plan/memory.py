@@ -475,9 +475,13 @@ def _update_rows(cfg: RunConfig, backend: Backend, config: Any, actor_model: Any
             head = torch.empty(V, config.hidden_size, dtype=torch.float32 if c == 4 else torch.bfloat16, device="meta")
             acc = dw_accumulator_dtype(head).itemsize
             logits = rows_c * V * (4 + (c if c != 4 else 0)) + tokens * config.hidden_size * c
-            logits += V * config.hidden_size * acc
+            if cfg.model.lora.enabled:  # the base lm_head is frozen: the op makes no dW
+                held = "dH held to the backward; no dW: the lm_head is frozen under LoRA"
+            else:
+                logits += V * config.hidden_size * acc
+                held = f"dH and a {'fp32' if acc == 4 else 'bf16/fp16'} dW held to the backward"
             logprob_path = (f"fused lm_head + log-prob with the loss's gradient in its forward (fp32 [{rows_c}, "
-                            f"{V}] chunks; dH and a {'fp32' if acc == 4 else 'bf16/fp16'} dW held to the backward)")
+                            f"{V}] chunks; {held})")
         else:
             # one fp32 [chunk, vocab chunk] tile in forward and one in backward, and backward's fp32 dW block
             logits = 2 * chunk * vchunk * 4 + vchunk * config.hidden_size * 4
