@@ -531,8 +531,8 @@ def cublas_linear_logprob_loss(
     same z, then dH_c = ∂z @ W (one cuBLAS call over the whole vocabulary: one rounding), dW += ∂z^T @ h_c and
     db += Σ ∂z. Three [Tc, V, H] matmuls per chunk where ``cublas_linear_logprobs`` and its backward make four.
 
-    Memory: the chunk's z and ∂z (≤ linear_loss.FUSED_CHUNK_BYTES), dH [N, H] in the inputs' dtype, dW (``dw_accumulator_dtype``)
-    and db, all kept from the forward to the backward. ``vocab_chunk_size`` is accepted for the contract (the
+    Memory: the chunk's z and ∂z (≤ linear_loss.FUSED_CHUNK_BYTES), dH [N, H] in the inputs' dtype, dW
+    (``linear_loss.dw_accumulator_dtype``) and db, all kept from the forward to the backward. ``vocab_chunk_size`` is accepted for the contract (the
     float64 reference uses it). float64 inputs run the core reference."""
     from polyrl.core.algorithms.linear_loss import (
         anchored,

@@ -465,13 +465,13 @@ def _update_rows(cfg: RunConfig, backend: Backend, config: Any, actor_model: Any
 
         vchunk = vocab_chunk_for(chunk, V, None)
         if uses_fused_loss(cfg.model.fused_loss, True, backend):
+            import torch
+
             from polyrl.core.algorithms.linear_loss import dw_accumulator_dtype, fused_token_chunk
 
             # the loss's gradient in the forward: one token chunk's fp32 logits and their gradient (in place for
             # fp32), then dH [T, H] and the whole dW (fp32 where that fits the op's budget) held to the backward
             rows_c = fused_token_chunk(tokens, V, c, chunk)
-            import torch
-
             head = torch.empty(V, config.hidden_size, dtype=torch.float32 if c == 4 else torch.bfloat16, device="meta")
             acc = dw_accumulator_dtype(head).itemsize
             logits = rows_c * V * (4 + (c if c != 4 else 0)) + tokens * config.hidden_size * c
