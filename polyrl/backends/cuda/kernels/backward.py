@@ -151,9 +151,8 @@ def _dkdv_rows(a, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, s
 
 
 @triton.jit
-def _dkdv_math(dk, dv, k, v, q, do, lse2, delta, qk_scale, DOT_PREC: tl.constexpr):
-    """An unmasked tile pair's dK/dV update from the loaded q tile."""
-    sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BN, M)
+def _dkdv_update(dk, dv, v, q, do, sT, lse2, delta, DOT_PREC: tl.constexpr):
+    """dK/dV of one tile pair from its scaled (and masked) scores sT (BN, M) and the q tile's rows."""
     pT = tl.exp2(sT - lse2[None, :])
     dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
     dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, M)
@@ -167,29 +166,17 @@ def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_
                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
                D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr,
                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
-    t_row = a + offs_r // G_P
-    g_row = offs_r % G_P
-    h_row = kvh * G + g_row
-    row_ok = (t_row < T) & (g_row < G)
-    q = tl.load(q_ptr + t_row[:, None] * stride_qt + h_row[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
-    do = tl.load(do_ptr + t_row[:, None] * stride_dot + h_row[:, None] * stride_doh + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (M, DV)
-    lse2 = tl.load(lse_ptr + t_row * HQ + h_row, mask=row_ok, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(delta_ptr + t_row * HQ + h_row, mask=row_ok, other=0.0)
+    q, do, lse2, delta = _dkdv_rows(a, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, stride_qh,
+                                    stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P)
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BN, M)
     if MASKED:
+        t_row = a + offs_r // G_P
         ds_row = tl.load(doc_start_ptr + t_row, mask=t_row < T, other=0)
         vis = (j[:, None] <= t_row[None, :]) & (j[:, None] >= ds_row[None, :])
         if HAS_WINDOW:
             vis = vis & (t_row[None, :] - j[:, None] < W)
         sT = tl.where(vis, sT, float("-inf"))
-    pT = tl.exp2(sT - lse2[None, :])
-    dv += tl.dot(pT.to(do.dtype), do, input_precision=DOT_PREC)
-    dpT = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)  # (BN, M)
-    dsT = pT * (dpT - delta[None, :])
-    dk += tl.dot(dsT.to(q.dtype), q, input_precision=DOT_PREC)
-    return dk, dv
+    return _dkdv_update(dk, dv, v, q, do, sT, lse2, delta, DOT_PREC)
 
 
 @triton.autotune(configs=dkdv_configs(), key=["D", "DV", "G_P", "HAS_WINDOW", "W", "BAND"],
@@ -254,7 +241,8 @@ def attn_bwd_dkdv_kernel(
                 qn, don, lsen, deltan = _dkdv_rows(a + BLOCK_T, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ,
                                                    stride_qt, stride_qh, stride_dot, stride_doh, offs_r, offs_d,
                                                    offs_dv, D, DV, G_P)
-                dk, dv = _dkdv_math(dk, dv, k, v, qc, doc, lsec, deltac, qk_scale, DOT_PREC)
+                sT = tl.dot(k, tl.trans(qc), input_precision=DOT_PREC) * qk_scale  # (BN, M)
+                dk, dv = _dkdv_update(dk, dv, v, qc, doc, sT, lsec, deltac, DOT_PREC)
         else:
             for a in range(s1, s2, BLOCK_T):
                 dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W,
