@@ -112,7 +112,7 @@ def fused_configs() -> list[triton.Config]:
 HOPPER_PICKS: dict[tuple[str, int, bool], tuple[int, int, int, int] | tuple[int, int, int, int, dict[str, bool]]] = {
     # (BLOCK_M, BLOCK_N, num_warps, num_stages[, variant flags])
     ("dq", 64, False): (256, 64, 8, 3),
-    ("dkdv", 64, False): (64, 128, 8, 1),
+    ("dkdv", 64, False): (64, 64, 4, 1, {"PREFETCH": True}),
 }
 
 
