@@ -261,7 +261,7 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 256, "BLOCK_N": 64}, 8, 3)
     assert C.measured_pick("dq", 32, 32, False, (9, 0)) is not None  # head-dim class 64
     pick = C.measured_pick("dkdv", 64, 64, False, (9, 0))
-    assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 128}, 8, 1)
+    assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 64, "PREFETCH": True}, 4, 1)
     for args in (("dq", 64, 64, True, (9, 0)), ("dq", 128, 128, False, (9, 0)), ("dq", 192, 128, False, (9, 0)),
                  ("dkdv", 64, 64, True, (9, 0)), ("dkdv", 128, 128, False, (9, 0)), ("fwd", 64, 64, False, (9, 0)),
                  ("dq", 64, 64, False, (8, 0)), ("dkdv", 64, 64, False, (10, 0)),
@@ -292,12 +292,12 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     A._launch(_Tuner(), "dkdv", "grid", (q,), dict(meta, HAS_WINDOW=True, BAND=True), A.KernelOptions())
     assert [x[0] for x in launched] == ["fn", "autotuner", "fn", "autotuner"]
     assert launched[0][2] == dict(meta, BLOCK_M=256, BLOCK_N=64, num_warps=8, num_stages=3)
-    assert launched[2][2] == dict(meta, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1)
+    assert launched[2][2] == dict(meta, BLOCK_M=64, BLOCK_N=64, PREFETCH=True, num_warps=4, num_stages=1)
     launched.clear()
     A._launch(_Tuner(), "dq", "grid", (q,), dict(meta, G_P=512), A.KernelOptions())  # rows below one token a tile
     assert launched[0][2]["BLOCK_M"] == 512  # prune_rows widens the tile to the group, as for the table path
-    # a row's variant flags (a fifth element) reach the kernel as constexprs
-    monkeypatch.setitem(C.HOPPER_PICKS, ("dkdv", 64, False), (64, 128, 8, 1, {"PREFETCH": True}))
+    # a row's variant flags (a fifth element) reach the kernel as constexprs; a row without has none
+    monkeypatch.setitem(C.HOPPER_PICKS, ("dkdv", 64, False), (64, 128, 8, 1))
     launched.clear()
     A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions())
-    assert launched[0][2] == dict(meta, BLOCK_M=64, BLOCK_N=128, PREFETCH=True, num_warps=8, num_stages=1)
+    assert launched[0][2] == dict(meta, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1)

@@ -107,8 +107,10 @@ def fused_configs() -> list[triton.Config]:
 # (no cp.async pipeline: 219 registers, no spills, where two stages take 228 and three spill) took 3.926 ms against
 # the 64-key default's 4.086 at 4 x 4096 and 12.894 against 14.724 at 1 x 16384 (0.96x / 0.88x); the same tile
 # with two stages was 1.15x / 1.06x slower than the default.
-# A row may add the kernel's variant flags as a fifth element (constexprs, e.g. ``{"PREFETCH": True}`` for dK/dV: the
-# next q tile's loads issued before this tile's matmuls; bench/attention_sweep.py times it, not yet on a GPU).
+# Since d9f1fea the dK/dV pick is 64 rows, 64 keys, 4 warps, one stage with PREFETCH (the next q tile's loads issued
+# before this tile's matmuls, so the one-stage walk stops waiting on each load): on one H100 (2026-12-07) 3.467 ms
+# against the one above's 3.856 at 4 x 4096 and 11.908 against 12.603 at 1 x 16384 (0.90x / 0.94x).
+# A row may add the kernel's variant flags as a fifth element (constexprs, e.g. ``{"PREFETCH": True}``).
 HOPPER_PICKS: dict[tuple[str, int, bool], tuple[int, int, int, int] | tuple[int, int, int, int, dict[str, bool]]] = {
     # (BLOCK_M, BLOCK_N, num_warps, num_stages[, variant flags])
     ("dq", 64, False): (256, 64, 8, 3),
