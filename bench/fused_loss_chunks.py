@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-import time
 
 import torch
 
-ENT_W = 0.01
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from logprob_linear import _measure, _methods
+
+FOUR, FUSED_LOSS, LIGER = "polyrl fused (cublas)", "polyrl fused loss (cublas)", "liger fused linear CE"
+CHUNK = 2048  # the callers' chunk_size (the fused loss's token chunk is bounded by FUSED_CHUNK_BYTES below it)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,86 +46,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = torch.bfloat16 if cuda else torch.float32
     import polyrl.core.algorithms.linear_loss as LOSS
-    from polyrl.backends.cuda.linear_logprobs import cublas_linear_logprob_loss, cublas_linear_logprobs
 
     g = torch.Generator(device="cpu").manual_seed(0)
     h = (torch.randn(args.T, args.H, generator=g) * 0.5).to(args.device, dtype).requires_grad_()
     W = (torch.randn(args.V, args.H, generator=g) * 0.02).to(args.device, dtype).requires_grad_()
     y = torch.randint(0, args.V, (args.T,), generator=g).to(args.device)
     w = torch.randn(args.T, generator=g).to(args.device)
-
-    def four(h, W):
-        lp, ent = cublas_linear_logprobs(h, W, y, chunk_size=2048)
-        return (lp * w).sum() + ENT_W * ent.sum()
-
-    def three(h, W):
-        def token_grad(t0, t1, lp, ent):
-            return w[t0:t1], torch.full_like(ent, ENT_W)
-
-        anchor, lp, ent = cublas_linear_logprob_loss(h, W, y, token_grad, chunk_size=2048)
-        return (lp * w).sum() + ENT_W * ent.sum() + anchor
-
+    # the same loss functions and timing as bench/logprob_linear.py's rows
+    methods = _methods(args.device, CHUNK)
     ref_grad: list[torch.Tensor] = []
 
-    def measure(fn) -> dict:
-        def once():
-            h.grad = W.grad = None
-            fn(h, W).backward()
-
-        once()
-        grad = W.grad.float().clone()
+    def measure(name: str) -> dict:
+        r = _measure(methods[name], h, W, y, w, args.device, args.iters)
+        grad = W.grad.float().clone()  # the last timed call's
         if not ref_grad:  # the first row measured: the four-matmul path
             ref_grad.append(grad)
-        diff = float((grad - ref_grad[0]).norm() / ref_grad[0].norm().clamp(min=1e-30))
-        extra = None
-        if cuda:
-            once()
-            h.grad = W.grad = None
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            once()
-            torch.cuda.synchronize()
-            extra = (torch.cuda.max_memory_allocated() - base) / 2**30
-        times = []
-        for _ in range(args.iters):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                once()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b))
-            else:
-                t0 = time.perf_counter()
-                once()
-                times.append((time.perf_counter() - t0) * 1e3)
-        times.sort()
-        return {"ms": times[len(times) // 2], "extra_gib": extra, "grad_w_rel_diff": diff}
+        r["grad_w_rel_diff"] = float((grad - ref_grad[0]).norm() / ref_grad[0].norm().clamp(min=1e-30))
+        return r
 
-    rows = {"four matmuls (cublas_linear_logprobs)": measure(four)}
-    try:
-        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-        liger = LigerFusedLinearCrossEntropyLoss(reduction="sum")
-        rows["liger fused linear CE (no entropy)"] = measure(lambda h, W: liger(W, h, y))
-    except Exception as exc:  # missing, or installed without its GPU dependencies
-        print(f"liger not run: {type(exc).__name__}: {exc}")
+    rows = {FOUR: measure(FOUR)}
+    if callable(methods[LIGER]):
+        rows[LIGER] = measure(LIGER)
+    else:
+        print(f"{LIGER}: {methods[LIGER]}")
     saved = (LOSS.FUSED_CHUNK_BYTES, LOSS.DW_FP32_BYTES)
     try:
         for mib in args.budgets_mib:
             LOSS.FUSED_CHUNK_BYTES = int(mib * 2**20)
-            rows_c = LOSS.fused_token_chunk(args.T, args.V, torch.tensor([], dtype=dtype).element_size(), 2048)
+            rows_c = LOSS.fused_token_chunk(args.T, args.V, dtype.itemsize, CHUNK)
             for dw32 in (False, True):
                 LOSS.DW_FP32_BYTES = 2**40 if dw32 else saved[1]
                 name = f"fused loss, {rows_c}-row chunks, dW summed in {'fp32' if dw32 else 'the weight dtype'}"
-                rows[name] = measure(three)
+                rows[name] = measure(FUSED_LOSS)
                 rows[name]["chunk_rows"] = rows_c
     finally:
         LOSS.FUSED_CHUNK_BYTES, LOSS.DW_FP32_BYTES = saved
-    ref = rows["four matmuls (cublas_linear_logprobs)"]["ms"]
-    peer = rows.get("liger fused linear CE (no entropy)", {}).get("ms")
+    ref = rows[FOUR]["ms"]
+    peer = rows.get(LIGER, {}).get("ms")
     print(f"{'setting':66s} {'ms':>8s} {'GiB':>6s} {'/4-mm':>6s} {'/liger':>7s} {'dW rel diff':>11s}")
     for name, r in rows.items():
         gib = f"{r['extra_gib']:6.2f}" if r["extra_gib"] is not None else f"{'-':>6s}"

@@ -532,8 +532,8 @@ def cublas_linear_logprob_loss(
     db += Σ ∂z. Three [Tc, V, H] matmuls per chunk where ``cublas_linear_logprobs`` and its backward make four.
 
     Memory: the chunk's z and ∂z (≤ linear_loss.FUSED_CHUNK_BYTES), dH [N, H] in the inputs' dtype, dW
-    (``linear_loss.dw_accumulator_dtype``) and db, all kept from the forward to the backward. ``vocab_chunk_size`` is accepted for the contract (the
-    float64 reference uses it). float64 inputs run the core reference."""
+    (``linear_loss.dw_accumulator_dtype``) and db, all kept from the forward to the backward. ``vocab_chunk_size``
+    is accepted for the contract (the float64 reference uses it). float64 inputs run the core reference."""
     from polyrl.core.algorithms.linear_loss import (
         anchored,
         check_loss_inputs,

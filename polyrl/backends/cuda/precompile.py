@@ -193,9 +193,10 @@ def precompile(layouts: Sequence[AttentionLayout], dtypes: Sequence[torch.dtype]
             except Exception as exc:  # compiled again, and raised there, at the kernel's first real call
                 failed.append(one_line(exc))
         now = time.perf_counter()
+        done = max((end for end, _, _ in took), default=now)
         line = (f"precompile: {len(jobs) - len(failed)} Triton attention kernels for {len(dict.fromkeys(layouts))} "
-                f"layouts x {len(dtypes)} dtypes on {threads} threads in {max((t[0] for t in took), default=now) - start:.1f} "
-                f"s (the build waited {now - waited:.1f} s)")
+                f"layouts x {len(dtypes)} dtypes on {threads} threads in {done - start:.1f} s (the build waited "
+                f"{now - waited:.1f} s)")
         if took:
             _, slow, name = max(took, key=lambda t: t[1])
             line += f"; slowest {name} {slow:.1f} s, all compiles together {sum(t[1] for t in took):.1f} s"
