@@ -7,7 +7,8 @@ candidate whose outputs differ by more than bf16 rounding is marked ``WRONG`` an
 layout: every candidate's ms, its ratio to the default, and the best; with FA4 importable, FA4's fwd and fwd+bwd
 from the same process beside the default's and the best configs' sum, and the ratios.
 
-    python bench/attention_sweep.py [--layouts 4x4096,1x16384] [--windows none] [--out bench/results/attention_sweep.json]
+    python bench/attention_sweep.py [--layouts 4x4096,1x16384] [--windows none] [--kernels fwd,dq,dkdv]
+                                    [--out bench/results/attention_sweep.json]
 
 Why a sweep and not ``POLYRL_TRITON_AUTOTUNE=1``: the autotuner prints only its pick, not the table of all
 candidates, and it cannot flag a config whose result is wrong. Needs a CUDA GPU.
@@ -36,23 +37,44 @@ CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
 H_Q, H_KV, HEAD_DIM = 64, 8, 64
 
 
-# The kernels' variants beside the launch config, swept on the first candidates: the forward and dQ start their
-# heaviest (last) q tiles first; dK/dV loads the next q tile before this one's matmuls (PREFETCH).
-VARIANTS = {"fwd": "heavy-first", "dq": "heavy-first", "dkdv": "prefetch"}
-VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with its variant too, unless listed here:
-VARIANT_CANDIDATES: dict[str, list[tuple[int, int, int, int]]] = {
-    # the Hopper pick (configs.HOPPER_PICKS) and the tiles whose prefetching code compiles for sm_90 without spills
-    # (bench/kernel_resources.py, Triton 3.6.0: 235 / 247 / 255 / 205 / 187 registers, 0 stack bytes; 64-row
-    # two-stage and 32-row 128-key one-stage tiles spill with it)
-    "dkdv": [(64, 128, 8, 1), (64, 64, 4, 1), (64, 128, 8, 2), (32, 64, 4, 2), (32, 64, 4, 1)],
+# The kernels' variants beside the launch config (name -> constexpr flags), swept on the first candidates: the
+# forward and dQ start their heaviest (last) q tiles first; dK/dV loads the next q tile before this one's matmuls
+# (prefetch), or loads q tiles through TMA descriptors into shared memory (tma: no per-element addresses in
+# registers, so a pipelined walk fits; polyrl.backends.cuda.tma).
+VARIANTS: dict[str, dict[str, dict[str, bool]]] = {
+    "fwd": {"heavy-first": {"HEAVY_FIRST": True}},
+    "dq": {"heavy-first": {"HEAVY_FIRST": True}},
+    "dkdv": {"prefetch": {"PREFETCH": True}, "tma": {"TMA": True}},
+}
+VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with each variant, unless listed here:
+VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+    "dkdv": {
+        # the Hopper pick (configs.HOPPER_PICKS) and the tiles whose prefetching code compiles for sm_90 without
+        # spills (bench/kernel_resources.py, Triton 3.6.0: 235 / 247 / 255 / 205 / 187 registers, 0 stack bytes;
+        # 64-row two-stage and 32-row 128-key one-stage tiles spill with it)
+        "prefetch": [(64, 128, 8, 1), (64, 64, 4, 1), (64, 128, 8, 2), (32, 64, 4, 2), (32, 64, 4, 1)],
+        # TMA loads: 143-242 registers, no spills (Triton 3.6.0, sm_90; 32 rows x 128 keys on 4 warps spills)
+        "tma": [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 1), (64, 128, 8, 2),
+                (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3)],
+    },
 }
 
 
-def config_label(cfg: tuple[int, int, int, int], variant: bool = False, kernel: str = "fwd") -> str:
-    """How a candidate is named in the printed table and the JSON: ``M128 N64 w4 s3`` (+ `` heavy-first`` /
-    `` prefetch``, the kernel's variant)."""
+def config_label(cfg: tuple[int, int, int, int], variant: str = "") -> str:
+    """How a candidate is named in the printed table and the JSON: ``M128 N64 w4 s3`` (+ `` prefetch`` etc.,
+    the kernel's variant of VARIANTS)."""
     m, n, w, s = cfg
-    return f"M{m} N{n} w{w} s{s}" + (f" {VARIANTS[kernel]}" if variant else "")
+    return f"M{m} N{n} w{w} s{s}" + (f" {variant}" if variant else "")
+
+
+def sweep_rows(kernel: str, cands: list[tuple[int, int, int, int]], listed: bool = True) -> list[tuple[tuple, str]]:
+    """(config, variant name) pairs swept for one kernel: every candidate alone, then each variant on its listed
+    candidates (VARIANT_CANDIDATES, when ``listed``) or on the first VARIANT_FIRST candidates."""
+    rows = [(c, "") for c in cands]
+    for name in VARIANTS.get(kernel, {}):
+        chosen = VARIANT_CANDIDATES.get(kernel, {}).get(name) if listed else None
+        rows += [(c, name) for c in (chosen or cands[:VARIANT_FIRST])]
+    return rows
 
 
 def _case(layout: str, window: int | None, device: str = "cuda", dtype=None):
@@ -72,10 +94,27 @@ def _case(layout: str, window: int | None, device: str = "cuda", dtype=None):
     return q, k, v, sinks, cu, do, window
 
 
+def default_and_pick(kernel: str, window: int | None, first: tuple[int, int, int, int]) -> list[tuple[tuple, str]]:
+    """A kernel that is not swept: its default (first candidate) and, where configs.HOPPER_PICKS has one for
+    GPT-OSS heads, its Hopper pick with the pick's variant, so the sums of the other kernels' rows stay those of
+    the code the backend runs."""
+    from polyrl.backends.cuda.kernels.configs import HOPPER_PICKS, head_dim_class
+
+    rows = [(first, "")]
+    pick = HOPPER_PICKS.get((kernel, head_dim_class(HEAD_DIM, HEAD_DIM), window is not None))
+    if pick is not None:
+        m, n, w, s, *flags = pick
+        variant = next((name for name, f in VARIANTS[kernel].items() if flags and f == flags[0]), "")
+        if ((m, n, w, s), variant) != rows[0]:
+            rows.append(((m, n, w, s), variant))
+    return rows
+
+
 def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype=None, do_bench=None,
-                 candidates: dict | None = None) -> dict:
-    """One layout's sweep (module docstring). ``device`` / ``dtype`` / ``do_bench`` / ``candidates``: for the CPU
-    check of this script under TRITON_INTERPRET=1 (tests/cuda/test_attention_sweep_interpret.py)."""
+                 candidates: dict | None = None, kernels: list[str] | None = None) -> dict:
+    """One layout's sweep (module docstring). ``kernels``: the kernels swept (all by default); the others run their
+    default and Hopper pick only (``default_and_pick``). ``device`` / ``dtype`` / ``do_bench`` / ``candidates``:
+    for the CPU check of this script under TRITON_INTERPRET=1 (tests/cuda/test_attention_sweep_interpret.py)."""
     import torch
     import triton
 
@@ -86,6 +125,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
     from polyrl.backends.cuda.attention import LOG2E, KernelOptions, triton_varlen_attention
     from polyrl.backends.cuda.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, bwd_preprocess_kernel
     from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel
+    from polyrl.backends.cuda.tma import ensure_allocator
 
     q, k, v, sinks, cu, do, window = _case(layout, window, device, dtype)
     options = KernelOptions()
@@ -104,9 +144,13 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                   DOT_PREC="tf32" if q.dtype != torch.float32 else "ieee", BAND=band)
     sink_arg = sinks.detach().float().contiguous()
 
-    def run(kernel: str, cfg: tuple[int, int, int, int], variant: bool = False):
+    if device == "cuda":
+        ensure_allocator()  # kernel scratch for the TMA variant's descriptors
+
+    def run(kernel: str, cfg: tuple[int, int, int, int], variant: str = ""):
         m, n, w, s = cfg
-        heavy_first = variant
+        flags = VARIANTS[kernel].get(variant, {}) if variant else {}
+        heavy_first = flags.get("HEAVY_FIRST", False)
         launch = dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
         if kernel == "fwd":
             o2 = torch.empty_like(o)
@@ -135,17 +179,20 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H_Q)
 
         def go():
-            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n), H_KV)](*args, **common, PREFETCH=variant, **launch)
+            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n), H_KV)](
+                *args, **common, PREFETCH=flags.get("PREFETCH", False), TMA=flags.get("TMA", False), **launch)
         return go, (dk, dv)
 
     result: dict = {"layout": layout, "window": window, "kernels": {}}
     for kernel, cands in (candidates or CANDIDATES).items():
-        listed = VARIANT_CANDIDATES.get(kernel) if candidates is None else None
-        variants = [(c, False) for c in cands] + [(c, True) for c in (listed or cands[:VARIANT_FIRST])]
+        if kernels is None or kernel in kernels:
+            variants = sweep_rows(kernel, cands, listed=candidates is None)
+        else:
+            variants = default_and_pick(kernel, window, cands[0])
         ref = None
         rows = []
         for cfg, variant in variants:
-            label = config_label(cfg, variant, kernel)
+            label = config_label(cfg, variant)
             try:
                 go, outs = run(kernel, cfg, variant)
                 go()
@@ -215,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layouts", default="4x4096,1x16384")
     ap.add_argument("--windows", default="none")
+    ap.add_argument("--kernels", default=",".join(CANDIDATES),
+                    help="comma list of the kernels swept (the others run their default and Hopper pick only)")
     ap.add_argument("--out", default="bench/results/attention_sweep.json")
     args = ap.parse_args(argv)
     import torch
@@ -222,13 +271,19 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/attention_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in kernels if k not in CANDIDATES]
+    if unknown or not kernels:
+        print(f"bench/attention_sweep.py: --kernels {args.kernels!r}: expected some of {', '.join(CANDIDATES)}",
+              file=sys.stderr)
+        return 2
     import triton
 
     t0 = time.perf_counter()
     results = []
     for layout in args.layouts.split(","):
         for w in args.windows.split(","):
-            results.append(sweep_layout(layout, None if w == "none" else int(w)))
+            results.append(sweep_layout(layout, None if w == "none" else int(w), kernels=kernels))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "shape": f"Hq {H_Q}, Hkv {H_KV}, D {HEAD_DIM}, bf16, sinks",
             "wall_s": round(time.perf_counter() - t0, 1)}

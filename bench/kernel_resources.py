@@ -28,7 +28,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_sweep import CANDIDATES, H_KV, H_Q, HEAD_DIM, VARIANT_CANDIDATES, config_label
+from attention_sweep import CANDIDATES, H_KV, H_Q, HEAD_DIM, VARIANTS, config_label, sweep_rows
 
 SASS_OPS = ("HGMMA", "UTMALDG", "LDGSTS", "LDL", "STL", "MUFU.EX2")
 
@@ -102,9 +102,10 @@ def resources(compiled) -> dict:
     return row
 
 
-def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: int, prefetch: bool = False) -> dict:
+def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: int, variant: str = "") -> dict:
     """The constexprs polyrl.backends.cuda.attention passes for a GPT-OSS layer (bf16: DOT_PREC "tf32" is unused
-    by bf16 dots; the band path for windows up to 256, as the default KernelOptions)."""
+    by bf16 dots; the band path for windows up to 256, as the default KernelOptions); ``variant``: a name of
+    attention_sweep.VARIANTS for this kernel."""
     g_p = H_Q // H_KV
     c = dict(D=HEAD_DIM, DV=HEAD_DIM, G_P=g_p, BLOCK_D=HEAD_DIM, BLOCK_DV=HEAD_DIM, HAS_WINDOW=window is not None,
              DOT_PREC="tf32", BAND=window is not None and window <= 256, BLOCK_M=block_m, BLOCK_N=block_n)
@@ -113,7 +114,8 @@ def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: in
     elif kernel == "dq":
         c.update(HEAVY_FIRST=False)
     else:
-        c.update(PREFETCH=prefetch)
+        c.update(PREFETCH=False, TMA=False)
+    c.update(VARIANTS[kernel].get(variant, {}) if variant else {})
     return c
 
 
@@ -124,12 +126,12 @@ def kernels() -> dict:
     return {"fwd": attn_fwd_kernel, "dq": attn_bwd_dq_kernel, "dkdv": attn_bwd_dkdv_kernel}
 
 
-def measured(sweep: dict | None, kernel: str, window: int | None, cfg: tuple, variant: bool = False) -> list[float]:
+def measured(sweep: dict | None, kernel: str, window: int | None, cfg: tuple, variant: str = "") -> list[float]:
     """ms of this (kernel, window, config, variant) in an attention_sweep.py JSON, one per layout (the forward's
     and dQ's heavy-first rows are the same code: left out)."""
     if not sweep:
         return []
-    label = config_label(cfg, variant, kernel)
+    label = config_label(cfg, variant)
     return [row["ms"] for case in sweep.get("results", []) if case.get("window") == window
             for row in case.get("kernels", {}).get(kernel, {}).get("rows", []) if row.get("config") == label]
 
@@ -181,10 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     table = kernels()
     for window in windows:
         for name in wanted:
-            # all candidates (or the first N), then (all only) the dK/dV kernel's PREFETCH variant: different code
-            variants = [(cfg, False) for cfg in CANDIDATES[name][: args.configs or None]]
+            # all candidates (or the first N), then (all only) the dK/dV kernel's variants on their listed tiles
+            # (PREFETCH, TMA: different code; the heavy-first rows of the forward and dQ are the same code)
+            variants = [(cfg, "") for cfg in CANDIDATES[name][: args.configs or None]]
             if name == "dkdv" and not args.configs:
-                variants += [(cfg, True) for cfg in VARIANT_CANDIDATES["dkdv"]]
+                variants += sweep_rows("dkdv", [])
             for cfg, variant in variants:
                 m, n, w, s = cfg
                 t0 = time.perf_counter()
@@ -192,9 +195,9 @@ def main(argv: list[str] | None = None) -> int:
                                           args.capability)
                 r = resources(compiled)
                 ms = measured(sweep, name, window, cfg, variant)
-                rows.append(dict(kernel=name, window=window, config=list(cfg), prefetch=variant, measured_ms=ms,
+                rows.append(dict(kernel=name, window=window, config=list(cfg), variant=variant, measured_ms=ms,
                                  compile_s=time.perf_counter() - t0, **r))
-                label = f"{cfg!s}{' prefetch' if variant else ''}"
+                label = f"{cfg!s} {variant}".rstrip()
                 print(f"{name:5s} {window!s:>6s} {label:>29s} {r['registers']:5d} {r['stack_bytes']:8d} "
                       f"{r['shared_bytes'] / 1024:10.1f} {r['HGMMA']:6d} {r['UTMALDG']:4d} {r['LDGSTS']:8d} "
                       f"{r['LDL'] + r['STL']:8d}  {' / '.join(f'{x:.3f}' for x in ms)}", flush=True)

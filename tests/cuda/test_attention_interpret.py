@@ -301,3 +301,45 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     launched.clear()
     A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions())
     assert launched[0][2] == dict(meta, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=1)
+
+
+def test_a_tma_pick_runs_only_on_tensors_tma_can_read(monkeypatch):
+    """A HOPPER_PICKS row with ``TMA`` reaches the dK/dV kernel as TMA=True only where the launcher says the
+    tensors qualify (polyrl.backends.cuda.tma.tma_loadable); otherwise the same config runs its pointer loads."""
+    import polyrl.backends.cuda.attention as A
+    from polyrl.backends.cuda.kernels import configs as C
+
+    monkeypatch.setattr(C, "interpreting", lambda: False)
+    monkeypatch.delenv("POLYRL_TRITON_AUTOTUNE", raising=False)
+    monkeypatch.setattr(A, "_capability", lambda device: (9, 0))
+    monkeypatch.setitem(C.HOPPER_PICKS, ("dkdv", 64, False), (64, 64, 4, 2, {"TMA": True}))
+    launched = []
+
+    class _Fn:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launched.append(kw)
+
+    class _Tuner:
+        fn = _Fn()
+
+    meta = dict(D=64, DV=64, G_P=8, HAS_WINDOW=False, BAND=False)
+    q = torch.zeros(1)
+    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions(), tma_ok=True)
+    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions(), tma_ok=False)
+    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions())  # not said: pointer loads
+    assert [kw["TMA"] for kw in launched] == [True, False, False]
+    assert all(kw["BLOCK_M"] == 64 and kw["num_stages"] == 2 for kw in launched)
+
+
+def test_tma_loadable_follows_the_hardware_rules():
+    from polyrl.backends.cuda.tma import tma_loadable
+
+    x = torch.zeros(64, 8, 64, dtype=torch.bfloat16)
+    assert tma_loadable(x, x[:, :4])  # a head slice keeps 16-byte strides and base
+    flat = torch.zeros(64 * 8 * 64 + 8, dtype=torch.bfloat16)
+    assert tma_loadable(flat[8:].view(64, 8, 64))
+    assert not tma_loadable(flat[1:1 + 64 * 8 * 64].view(64, 8, 64))  # good strides, base 2 bytes off
+    assert not tma_loadable(x.transpose(1, 2))  # last stride not 1
+    assert not tma_loadable(torch.zeros(64, 8, 4, dtype=torch.bfloat16)[:, :, :3])  # row stride 4 elements = 8 B
+    assert not tma_loadable(torch.zeros(64, 8, 12, dtype=torch.bfloat16))  # head stride 24 B
+    assert tma_loadable(torch.zeros(64, 8, 4, dtype=torch.float32))  # 16 B head stride in fp32

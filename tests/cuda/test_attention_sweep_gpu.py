@@ -1,5 +1,5 @@
 """bench/attention_sweep.py's kernels and variants on the GPU (part of ``bash bench/gpu_check.sh``): every candidate
-compiles for the GPU and gives the default config's outputs, among them the dK/dV kernel's PREFETCH variant, at
+compiles for the GPU and gives the default config's outputs, among them the dK/dV kernel's PREFETCH and TMA variants, at
 GPT-OSS heads (64 query / 8 kv, head dim 64, bf16) on two causal documents."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def test_every_candidate_and_variant_gives_the_defaults_outputs_on_the_gpu():
 
     r = mod.sweep_layout("2x1024", None, do_bench=once, candidates=cands)
     rows = r["kernels"]["dkdv"]["rows"]
-    assert [row["config"] for row in rows if row["config"].endswith("prefetch")] == [
-        mod.config_label(c, True, "dkdv") for c in cands["dkdv"]]
+    for variant in ("prefetch", "tma"):
+        assert [row["config"] for row in rows if row["config"].endswith(variant)] == [
+            mod.config_label(c, variant) for c in cands["dkdv"]]
     for row in rows:
         assert row.get("ms") is not None, row  # compiled and ran
         assert row["ok"] and row["max_rel_diff_vs_default"] < 1e-2, row

@@ -23,8 +23,10 @@ def test_sweep_runs_every_kernel_and_compares_with_the_default():
     r = mod.sweep_layout("2x24", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands)
     for kernel in cands:
         rows = r["kernels"][kernel]["rows"]
-        assert len(rows) == 2 * len(cands[kernel])  # each candidate alone and with the kernel's variant
-        assert rows[-1]["config"].endswith(mod.VARIANTS[kernel])
+        # each candidate alone and with each of the kernel's variants (dK/dV: prefetch, TMA loads)
+        assert len(rows) == (1 + len(mod.VARIANTS[kernel])) * len(cands[kernel])
+        assert [row["config"] for row in rows] == [mod.config_label(c, v) for c, v in mod.sweep_rows(
+            kernel, cands[kernel], listed=False)]
         assert rows[0]["max_rel_diff_vs_default"] == 0.0
         assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows)  # fp32: tiling only
     assert r["best_fwd_bwd_kernels_ms"] <= r["default_fwd_bwd_kernels_ms"]
@@ -60,3 +62,35 @@ def test_a_candidate_with_wrong_outputs_is_never_the_best(monkeypatch):
     rows = r["kernels"]["dkdv"]["rows"]
     assert not rows[1]["ok"] and rows[1]["max_rel_diff_vs_default"] > 0.5
     assert r["kernels"]["dkdv"]["best"]["config"] == rows[0]["config"]
+
+
+def test_kernels_not_swept_run_their_default_and_hopper_pick(monkeypatch):
+    mod = _load()
+    from polyrl.backends.cuda.kernels import configs
+
+    monkeypatch.setattr(configs, "HOPPER_PICKS", {("dq", 64, False): (32, 16, 4, 1),
+                                                  ("dkdv", 64, False): (16, 16, 4, 1, {"TMA": True})})
+    cands = {"fwd": [(16, 16, 4, 1), (16, 32, 4, 1)], "dq": [(16, 16, 4, 1), (16, 32, 4, 1)],
+             "dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)]}
+    r = mod.sweep_layout("1x24", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands,
+                         kernels=["fwd"])
+    configs_of = {k: [row["config"] for row in r["kernels"][k]["rows"]] for k in cands}
+    assert len(configs_of["fwd"]) == 4  # swept: both candidates, then each with heavy-first
+    assert configs_of["dq"] == ["M16 N16 w4 s1", "M32 N16 w4 s1"]  # default, then the pick
+    assert configs_of["dkdv"] == ["M16 N16 w4 s1", "M16 N16 w4 s1 tma"]  # the pick's variant named
+    assert all(row["ok"] for k in cands for row in r["kernels"][k]["rows"])
+
+
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_dkdv_variants_match_the_default_with_padded_groups_and_windows(window):
+    """The dK/dV kernel's TMA and PREFETCH variants against its pointer-load default (fp32: equal up to the order of
+    the tile sums), where the group of 3 query heads pads to 4 rows (TMA fills the fourth with zeros), the
+    q tiles cross the end of the tokens and of documents, and windows take the band (5) or aligned (40) walk."""
+    mod = _load()
+    mod.H_Q, mod.H_KV = 6, 2
+    cands = {"fwd": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1)], "dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)]}
+    r = mod.sweep_layout("3x21", window, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands,
+                         kernels=["dkdv"])
+    rows = r["kernels"]["dkdv"]["rows"]
+    assert {row["config"].split(" ")[-1] for row in rows} >= {"prefetch", "tma"}
+    assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows), rows

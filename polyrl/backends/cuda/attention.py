@@ -46,6 +46,7 @@ from polyrl.backends.cuda.kernels.configs import measured_pick, table_configs
 from polyrl.backends.cuda.kernels.forward import attn_fwd_kernel, prune_rows
 from polyrl.backends.cuda.launching import launch
 from polyrl.backends.cuda.per_batch import LastBatch
+from polyrl.backends.cuda.tma import ensure_allocator, tma_loadable
 from polyrl.core.errors import BadInputError
 
 LOG2E = 1.4426950408889634
@@ -100,24 +101,34 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
-def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config) -> None:
-    """The Triton function under ``kernel``'s autotuner with one config (its row tile widened to the GQA group)."""
+def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config, tma_ok: bool = False) -> None:
+    """The Triton function under ``kernel``'s autotuner with one config (its row tile widened to the GQA group).
+    A config's ``TMA`` variant runs only with ``tma_ok`` (polyrl.backends.cuda.tma: the tensors qualify); otherwise
+    the same config runs its pointer loads."""
     (config,) = prune_rows([config], meta)
-    launch(kernel.fn, grid, args, {**meta, **config.kwargs, "num_warps": config.num_warps,
-                                   "num_stages": config.num_stages})
+    kwargs = {**meta, **config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
+    if kwargs.get("TMA"):
+        if tma_ok:
+            if args[0].device.type == "cuda":
+                ensure_allocator()
+        else:
+            kwargs["TMA"] = False
+    launch(kernel.fn, grid, args, kwargs)
 
 
-def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None) -> None:
+def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None,
+            tma_ok: bool = False) -> None:
     """Run ``kernel`` (an Autotuner over its first-config list; a measured pick of
     polyrl.backends.cuda.kernels.configs.HOPPER_PICKS instead where one applies) or, with ``configs="table"``,
     the same Triton function with the table's config for (name, head-dim class, band); several candidates
-    (autotuning on) go through an Autotuner of their own, cached per candidate list."""
+    (autotuning on) go through an Autotuner of their own, cached per candidate list. ``tma_ok``: whether a pick's
+    ``TMA`` variant may run (``_launch_one``)."""
     if options.configs == "first":
         pick = measured_pick(name, meta["D"], meta["DV"], meta["HAS_WINDOW"], _capability(args[0].device))
         if pick is None:
             launch(kernel, grid, args, meta)
         else:
-            _launch_one(kernel, grid, args, meta, pick)
+            _launch_one(kernel, grid, args, meta, pick, tma_ok)
         return
     configs = table_configs(name, meta["D"], meta["DV"], meta["BAND"])
     if len(configs) == 1:
@@ -251,7 +262,7 @@ class _VarlenAttention(torch.autograd.Function):
                     T, W, G, ctx.scale * LOG2E, ctx.scale,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                    Hq), meta, options)
+                    Hq), meta, options, tma_ok=tma_loadable(q, do))
         if atomic:
             dq = dq_acc.mul_(ctx.scale).to(q.dtype)  # fp32 inputs: the buffer itself
         dsink = None

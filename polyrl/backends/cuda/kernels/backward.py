@@ -133,18 +133,23 @@ def attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_rows(a, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, stride_qh, stride_dot, stride_doh,
-               offs_r, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr):
+def _dkdv_rows(a, q_src, do_src, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, stride_qh, stride_dot, stride_doh,
+               offs_r, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr, TMA: tl.constexpr):
     """The q tile at token ``a``: its rows' q (M, D), dO (M, DV), LSE' in log2 units and D (invalid rows: LSE' =
-    +inf, so P' = 0)."""
+    +inf, so P' = 0). ``q_src`` / ``do_src``: the tensors' pointers, or with ``TMA`` their [T, Hkv, G, D]
+    descriptors (one box of BLOCK_T tokens x G_P heads; the hardware fills rows past T or past G with zeros)."""
     t_row = a + offs_r // G_P
     g_row = offs_r % G_P
     h_row = kvh * G + g_row
     row_ok = (t_row < T) & (g_row < G)
-    q = tl.load(q_ptr + t_row[:, None] * stride_qt + h_row[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
-    do = tl.load(do_ptr + t_row[:, None] * stride_dot + h_row[:, None] * stride_doh + offs_dv[None, :],
-                 mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (M, DV)
+    if TMA:
+        q = tl.reshape(q_src.load([a, kvh, 0, 0]), (offs_r.shape[0], offs_d.shape[0]))
+        do = tl.reshape(do_src.load([a, kvh, 0, 0]), (offs_r.shape[0], offs_dv.shape[0]))
+    else:
+        q = tl.load(q_src + t_row[:, None] * stride_qt + h_row[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)  # (M, D)
+        do = tl.load(do_src + t_row[:, None] * stride_dot + h_row[:, None] * stride_doh + offs_dv[None, :],
+                     mask=row_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)  # (M, DV)
     lse2 = tl.load(lse_ptr + t_row * HQ + h_row, mask=row_ok, other=float("inf")) * 1.4426950408889634
     delta = tl.load(delta_ptr + t_row * HQ + h_row, mask=row_ok, other=0.0)
     return q, do, lse2, delta
@@ -165,9 +170,9 @@ def _dkdv_update(dk, dv, v, q, do, sT, lse2, delta, DOT_PREC: tl.constexpr):
 def _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
                stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
                D: tl.constexpr, DV: tl.constexpr, G_P: tl.constexpr,
-               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+               MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     q, do, lse2, delta = _dkdv_rows(a, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt, stride_qh,
-                                    stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P)
+                                    stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P, TMA)
     sT = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (BN, M)
     if MASKED:
         t_row = a + offs_r // G_P
@@ -191,8 +196,22 @@ def attn_bwd_dkdv_kernel(
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False,
+    TMA: tl.constexpr = False,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
+    if TMA:
+        # q and dO viewed as [T, Hkv, G, D]: a q tile is one box (BLOCK_T tokens, this kv head, G_P heads), loaded
+        # by the TMA unit into shared memory, so the pipelined walk holds no per-element addresses in registers.
+        # The launcher asks for it only where the tensors meet TMA's rules (16-byte aligned base and strides).
+        q_src = tl.make_tensor_descriptor(q_ptr, shape=[T, HQ // G, G, D],
+                                          strides=[stride_qt, G * stride_qh, stride_qh, 1],
+                                          block_shape=[BLOCK_T, 1, G_P, BLOCK_D])
+        do_src = tl.make_tensor_descriptor(do_ptr, shape=[T, HQ // G, G, DV],
+                                           strides=[stride_dot, G * stride_doh, stride_doh, 1],
+                                           block_shape=[BLOCK_T, 1, G_P, BLOCK_DV])
+    else:
+        q_src = q_ptr
+        do_src = do_ptr
     c = tl.program_id(0) * BLOCK_N
     kvh = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_M)
@@ -210,9 +229,9 @@ def attn_bwd_dkdv_kernel(
     if BAND:
         a_lo, a_hi = band_query_range(doc_end_ptr, c, T, W, BLOCK_N)
         for a in range(a_lo, a_hi, BLOCK_T):
-            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G,
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_src, do_src, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G,
                                 HQ, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC, TMA)
     else:
         # Queries that can see keys [c, last_j]: tokens [c, hi] with hi bounded by the last key's document end
         # and by the window. Interior q tiles (no mask): after the diagonal, inside the first key's document,
@@ -228,30 +247,30 @@ def attn_bwd_dkdv_kernel(
         s1 = tl.minimum(tl.maximum(tl.cdiv(c + BLOCK_N - 1, BLOCK_T) * BLOCK_T, q_start), q_end)
         s2 = tl.minimum(tl.maximum((e_full // BLOCK_T) * BLOCK_T, s1), q_end)
         for a in range(q_start, s1, BLOCK_T):
-            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_src, do_src, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
                                 stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC, TMA)
         if PREFETCH:
             # the interior walk with the next q tile's loads issued before this tile's matmuls (in registers: no
             # cp.async stage, which costs this kernel its registers), so their latency hides behind the math
-            qn, don, lsen, deltan = _dkdv_rows(s1, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt,
-                                               stride_qh, stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P)
+            qn, don, lsen, deltan = _dkdv_rows(s1, q_src, do_src, lse_ptr, delta_ptr, kvh, T, G, HQ, stride_qt,
+                                               stride_qh, stride_dot, stride_doh, offs_r, offs_d, offs_dv, D, DV, G_P, TMA)
             for a in range(s1, s2, BLOCK_T):
                 qc, doc, lsec, deltac = qn, don, lsen, deltan
-                qn, don, lsen, deltan = _dkdv_rows(a + BLOCK_T, q_ptr, do_ptr, lse_ptr, delta_ptr, kvh, T, G, HQ,
+                qn, don, lsen, deltan = _dkdv_rows(a + BLOCK_T, q_src, do_src, lse_ptr, delta_ptr, kvh, T, G, HQ,
                                                    stride_qt, stride_qh, stride_dot, stride_doh, offs_r, offs_d,
-                                                   offs_dv, D, DV, G_P)
+                                                   offs_dv, D, DV, G_P, TMA)
                 sT = tl.dot(k, tl.trans(qc), input_precision=DOT_PREC) * qk_scale  # (BN, M)
                 dk, dv = _dkdv_update(dk, dv, v, qc, doc, sT, lsec, deltac, DOT_PREC)
         else:
             for a in range(s1, s2, BLOCK_T):
-                dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W,
+                dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_src, do_src, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W,
                                     G, HQ, stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d,
-                                    offs_dv, D, DV, G_P, False, HAS_WINDOW, DOT_PREC)
+                                    offs_dv, D, DV, G_P, False, HAS_WINDOW, DOT_PREC, TMA)
         for a in range(s2, q_end, BLOCK_T):
-            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
+            dk, dv = _dkdv_tile(dk, dv, k, v, j, a, q_src, do_src, lse_ptr, delta_ptr, doc_start_ptr, kvh, T, W, G, HQ,
                                 stride_qt, stride_qh, stride_dot, stride_doh, qk_scale, offs_r, offs_d, offs_dv,
-                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC)
+                                D, DV, G_P, True, HAS_WINDOW, DOT_PREC, TMA)
     dk = dk * scale
     tl.store(dk_ptr + j[:, None] * stride_dkt + kvh * stride_dkh + offs_d[None, :],
              dk.to(dk_ptr.dtype.element_ty), mask=jmask[:, None] & (offs_d[None, :] < D))
