@@ -39,21 +39,28 @@ H_Q, H_KV, HEAD_DIM = 64, 8, 64
 
 # The kernels' variants beside the launch config (name -> constexpr flags), swept on the first candidates: the
 # forward and dQ start their heaviest (last) q tiles first; dK/dV loads the next q tile before this one's matmuls
-# (prefetch), or loads q tiles through TMA descriptors into shared memory (tma: no per-element addresses in
-# registers, so a pipelined walk fits; polyrl.backends.cuda.tma).
+# (prefetch); each kernel can load the tiles it walks over (K/V for the forward and dQ, q/dO for dK/dV) through TMA
+# descriptors into shared memory (tma: no per-element addresses in registers; polyrl.backends.cuda.tma).
 VARIANTS: dict[str, dict[str, dict[str, bool]]] = {
-    "fwd": {"heavy-first": {"HEAVY_FIRST": True}},
-    "dq": {"heavy-first": {"HEAVY_FIRST": True}},
+    "fwd": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
+    "dq": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
     "dkdv": {"prefetch": {"PREFETCH": True}, "tma": {"TMA": True}},
 }
 VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with each variant, unless listed here:
 VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
+    # TMA loads: the tiles that compile for sm_90 without spills (bench/kernel_resources.py, Triton 3.6.0; the
+    # forward's first config drops from 255 to 207 registers, dQ's Hopper pick from 255 + 16 spilled bytes to 254)
+    "fwd": {"heavy-first": [], "tma": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
+                                       (128, 64, 4, 4), (256, 64, 8, 3), (64, 128, 4, 3)]},
+    "dq": {"heavy-first": [], "tma": [(256, 64, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3), (128, 64, 8, 3),
+                                      (128, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)]},
+    # (heavy-first: [] -- measured on the H200 and the H100, 2026-12-06/07, and not picked; not swept again)
     "dkdv": {
         # the Hopper pick (configs.HOPPER_PICKS) and the tiles whose prefetching code compiles for sm_90 without
-        # spills (bench/kernel_resources.py, Triton 3.6.0: 235 / 247 / 255 / 205 / 187 registers, 0 stack bytes;
-        # 64-row two-stage and 32-row 128-key one-stage tiles spill with it)
+        # spills (Triton 3.6.0: 235 / 247 / 255 / 205 / 187 registers, 0 stack bytes; 64-row two-stage and 32-row
+        # 128-key one-stage tiles spill with it)
         "prefetch": [(64, 128, 8, 1), (64, 64, 4, 1), (64, 128, 8, 2), (32, 64, 4, 2), (32, 64, 4, 1)],
-        # TMA loads: 143-242 registers, no spills (Triton 3.6.0, sm_90; 32 rows x 128 keys on 4 warps spills)
+        # 143-242 registers, no spills (32 rows x 128 keys on 4 warps spills)
         "tma": [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 1), (64, 128, 8, 2),
                 (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3)],
     },
@@ -69,11 +76,12 @@ def config_label(cfg: tuple[int, int, int, int], variant: str = "") -> str:
 
 def sweep_rows(kernel: str, cands: list[tuple[int, int, int, int]], listed: bool = True) -> list[tuple[tuple, str]]:
     """(config, variant name) pairs swept for one kernel: every candidate alone, then each variant on its listed
-    candidates (VARIANT_CANDIDATES, when ``listed``) or on the first VARIANT_FIRST candidates."""
+    candidates (VARIANT_CANDIDATES, when ``listed``; an empty list skips the variant) or on the first VARIANT_FIRST
+    candidates."""
     rows = [(c, "") for c in cands]
     for name in VARIANTS.get(kernel, {}):
         chosen = VARIANT_CANDIDATES.get(kernel, {}).get(name) if listed else None
-        rows += [(c, name) for c in (chosen or cands[:VARIANT_FIRST])]
+        rows += [(c, name) for c in (cands[:VARIANT_FIRST] if chosen is None else chosen)]
     return rows
 
 
@@ -160,7 +168,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
 
             def go():
                 attn_fwd_kernel.fn[(triton.cdiv(T, m // G_P), H_KV)](
-                    *args, **common, HAS_SINK=True, HEAVY_FIRST=heavy_first, **launch)
+                    *args, **common, HAS_SINK=True, HEAVY_FIRST=heavy_first, TMA=flags.get("TMA", False), **launch)
             return go, (o2, lse2)
         if kernel == "dq":
             dq = torch.empty_like(qs)
@@ -170,8 +178,8 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                     do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), H_Q)
 
             def go():
-                attn_bwd_dq_kernel.fn[(triton.cdiv(T, m // G_P), H_KV)](*args, **common, HEAVY_FIRST=heavy_first,
-                                                                          **launch)
+                attn_bwd_dq_kernel.fn[(triton.cdiv(T, m // G_P), H_KV)](
+                    *args, **common, HEAVY_FIRST=heavy_first, TMA=flags.get("TMA", False), **launch)
             return go, (dq, d_exact)
         dk, dv = torch.empty_like(ks), torch.empty_like(vs)
         args = (qs, ks, vs, do, lse, delta, dk, dv, doc_start, doc_end, T, W, G, scale * LOG2E, scale,

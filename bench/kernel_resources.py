@@ -110,9 +110,9 @@ def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: in
     c = dict(D=HEAD_DIM, DV=HEAD_DIM, G_P=g_p, BLOCK_D=HEAD_DIM, BLOCK_DV=HEAD_DIM, HAS_WINDOW=window is not None,
              DOT_PREC="tf32", BAND=window is not None and window <= 256, BLOCK_M=block_m, BLOCK_N=block_n)
     if kernel == "fwd":
-        c.update(HAS_SINK=True, HEAVY_FIRST=False)
+        c.update(HAS_SINK=True, HEAVY_FIRST=False, TMA=False)
     elif kernel == "dq":
-        c.update(HEAVY_FIRST=False)
+        c.update(HEAVY_FIRST=False, TMA=False)
     else:
         c.update(PREFETCH=False, TMA=False)
     c.update(VARIANTS[kernel].get(variant, {}) if variant else {})

@@ -75,22 +75,22 @@ def test_kernels_not_swept_run_their_default_and_hopper_pick(monkeypatch):
     r = mod.sweep_layout("1x24", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands,
                          kernels=["fwd"])
     configs_of = {k: [row["config"] for row in r["kernels"][k]["rows"]] for k in cands}
-    assert len(configs_of["fwd"]) == 4  # swept: both candidates, then each with heavy-first
+    assert len(configs_of["fwd"]) == 2 * (1 + len(mod.VARIANTS["fwd"]))  # swept: both alone, then each variant
     assert configs_of["dq"] == ["M16 N16 w4 s1", "M32 N16 w4 s1"]  # default, then the pick
     assert configs_of["dkdv"] == ["M16 N16 w4 s1", "M16 N16 w4 s1 tma"]  # the pick's variant named
     assert all(row["ok"] for k in cands for row in r["kernels"][k]["rows"])
 
 
 @pytest.mark.parametrize("window", [None, 5, 40])
-def test_dkdv_variants_match_the_default_with_padded_groups_and_windows(window):
-    """The dK/dV kernel's TMA and PREFETCH variants against its pointer-load default (fp32: equal up to the order of
-    the tile sums), where the group of 3 query heads pads to 4 rows (TMA fills the fourth with zeros), the
+def test_variants_match_the_default_with_padded_groups_and_windows(window):
+    """Every kernel's variants (TMA loads; dK/dV's PREFETCH) against its pointer-load default (fp32: equal up to the
+    order of the tile sums), where the group of 3 query heads pads to 4 rows (TMA fills the fourth with zeros), the
     q tiles cross the end of the tokens and of documents, and windows take the band (5) or aligned (40) walk."""
     mod = _load()
     mod.H_Q, mod.H_KV = 6, 2
     cands = {"fwd": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1)], "dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)]}
-    r = mod.sweep_layout("3x21", window, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands,
-                         kernels=["dkdv"])
-    rows = r["kernels"]["dkdv"]["rows"]
-    assert {row["config"].split(" ")[-1] for row in rows} >= {"prefetch", "tma"}
-    assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows), rows
+    r = mod.sweep_layout("3x21", window, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands)
+    for kernel in cands:
+        rows = r["kernels"][kernel]["rows"]
+        assert {row["config"].split(" ")[-1] for row in rows} >= set(mod.VARIANTS[kernel])
+        assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows), rows

@@ -196,7 +196,8 @@ class _VarlenAttention(torch.autograd.Function):
                 Hq), dict(D=D, DV=Dv, G_P=G_P,
                           BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
                           HAS_WINDOW=window is not None, HAS_SINK=has_sink, DOT_PREC=_dot_precision(q.dtype),
-                          BAND=options.band(window), HEAVY_FIRST=options.heavy_first), options)
+                          BAND=options.band(window), HEAVY_FIRST=options.heavy_first), options,
+                    tma_ok=tma_loadable(k, v))
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, sinks if has_sink else None)
         ctx.scale, ctx.window, ctx.has_sink, ctx.options = scale, window, has_sink, options
         return o
@@ -256,7 +257,7 @@ class _VarlenAttention(torch.autograd.Function):
                     T, W, G, ctx.scale * LOG2E, ctx.scale,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dq.stride(0), dq.stride(1),
-                    Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options)
+                    Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options, tma_ok=tma_loadable(k, v))
                 _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, (
                     q, k, v, do, lse, delta, dk, dv, doc_start, doc_end,
                     T, W, G, ctx.scale * LOG2E, ctx.scale,

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from polyrl.backends.cuda.kernels.bounds import band_key_range, band_query_range, key_ranges
 from polyrl.backends.cuda.kernels.configs import dkdv_configs, dq_configs
-from polyrl.backends.cuda.kernels.forward import prune_rows
+from polyrl.backends.cuda.kernels.forward import kv_sources, load_kv_tile, prune_rows
 
 
 # R = T * Hq is a runtime value: specialised (R % 16 == 0 or not), each batch's token count would pick one of two
@@ -39,16 +39,9 @@ def bwd_preprocess_kernel(o_ptr, do_ptr, delta_ptr, R, stride_or, stride_dor,
 @triton.jit
 def _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W, stride_kt, stride_vt,
              qk_scale, offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
-             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr):
+             MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     j = start_n + offs_n
-    if MASKED:
-        kmask = (j[:, None] < T) & (offs_d[None, :] < D)
-        vmask = (j[:, None] < T) & (offs_dv[None, :] < DV)
-    else:
-        kmask = offs_d[None, :] < D
-        vmask = offs_dv[None, :] < DV
-    k = tl.load(k_base + j[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)  # (BN, D)
-    v = tl.load(v_base + j[:, None] * stride_vt + offs_dv[None, :], mask=vmask, other=0.0)  # (BN, DV)
+    k, v = load_kv_tile(k_base, v_base, start_n, j, T, stride_kt, stride_vt, offs_d, offs_dv, D, DV, MASKED, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, BN)
     if MASKED:
         vis = (j[None, :] <= t_row[:, None]) & (j[None, :] >= ds_row[:, None])
@@ -74,7 +67,7 @@ def attn_bwd_dq_kernel(
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
     pid_t = tl.program_id(0)
@@ -102,28 +95,28 @@ def attn_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     d_exact = tl.zeros([BLOCK_M], tl.float32)
 
-    k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_vh
+    k_base, v_base = kv_sources(k_ptr, v_ptr, kvh, T, stride_kt, stride_kh, stride_vt, stride_vh, D, DV, BLOCK_N,
+                                BLOCK_D, BLOCK_DV, TMA)
     if BAND:
         k_lo, k_hi = band_key_range(doc_start_ptr, a, T, W, BLOCK_T)  # as the forward
         for start_n in range(k_lo, k_hi, BLOCK_N):
             dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
                                    stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW,
-                                   DOT_PREC)
+                                   DOT_PREC, TMA)
     else:
         k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)  # as the forward
         for start_n in range(k_start, s1, BLOCK_N):
             dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
                                    stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW,
-                                   DOT_PREC)
+                                   DOT_PREC, TMA)
         for start_n in range(s1, s2, BLOCK_N):
             dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
                                    stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, False, HAS_WINDOW,
-                                   DOT_PREC)
+                                   DOT_PREC, TMA)
         for start_n in range(s2, k_end, BLOCK_N):
             dq, d_exact = _dq_tile(dq, d_exact, q, do, lse2, delta, t_row, ds_row, k_base, v_base, start_n, T, W,
                                    stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV, True, HAS_WINDOW,
-                                   DOT_PREC)
+                                   DOT_PREC, TMA)
     dq = dq * scale
     # D_i recomputed exactly as sum_j P'_ij dP_ij = dO_i . O'_i in fp32 (the preprocess D uses the output
     # rounded to the input dtype, standard for dS; the sink gradient, a sum over T rows, wants the exact one).

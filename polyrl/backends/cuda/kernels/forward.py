@@ -39,20 +39,51 @@ def prune_rows(configs, named_args, **kwargs):
 
 
 @triton.jit
+def kv_sources(k_ptr, v_ptr, kvh, T, stride_kt, stride_kh, stride_vt, stride_vh, D: tl.constexpr, DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, TMA: tl.constexpr):
+    """Where a key walk reads kv head ``kvh``'s K and V rows: the heads' base pointers, or with ``TMA`` descriptors
+    over their [T, D] matrices (BLOCK_N-row boxes, filled with zeros past T and past D, so the TMA unit loads each
+    tile into shared memory and the pipelined walk keeps no per-element addresses in registers). The launcher asks
+    for TMA only where the tensors meet its rules (polyrl.backends.cuda.tma)."""
+    if TMA:
+        k_src = tl.make_tensor_descriptor(k_ptr + kvh * stride_kh, shape=[T, D], strides=[stride_kt, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_ptr + kvh * stride_vh, shape=[T, DV], strides=[stride_vt, 1],
+                                          block_shape=[BLOCK_N, BLOCK_DV])
+    else:
+        k_src = k_ptr + kvh * stride_kh
+        v_src = v_ptr + kvh * stride_vh
+    return k_src, v_src
+
+
+@triton.jit
+def load_kv_tile(k_src, v_src, start_n, j, T, stride_kt, stride_vt, offs_d, offs_dv, D: tl.constexpr,
+                 DV: tl.constexpr, MASKED: tl.constexpr, TMA: tl.constexpr):
+    """K (BN, D) and V (BN, DV) of keys ``j`` = start_n + [0, BN) from ``kv_sources``; rows past T are zeros."""
+    if TMA:
+        k = k_src.load([start_n, 0])
+        v = v_src.load([start_n, 0])
+    else:
+        if MASKED:
+            kmask = (j[:, None] < T) & (offs_d[None, :] < D)
+            vmask = (j[:, None] < T) & (offs_dv[None, :] < DV)
+        else:
+            kmask = offs_d[None, :] < D
+            vmask = offs_dv[None, :] < DV
+        k = tl.load(k_src + j[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)  # (BN, D)
+        v = tl.load(v_src + j[:, None] * stride_vt + offs_dv[None, :], mask=vmask, other=0.0)  # (BN, DV)
+    return k, v
+
+
+@triton.jit
 def _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_ptrs_base, v_ptrs_base, start_n, T, W,
                stride_kt, stride_vt, qk_scale,
                offs_n, offs_d, offs_dv, D: tl.constexpr, DV: tl.constexpr,
                MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               DOT_PREC: tl.constexpr):
+               DOT_PREC: tl.constexpr, TMA: tl.constexpr):
     j = start_n + offs_n  # (BN,)
-    if MASKED:
-        kmask = (j[:, None] < T) & (offs_d[None, :] < D)
-        vmask = (j[:, None] < T) & (offs_dv[None, :] < DV)
-    else:
-        kmask = offs_d[None, :] < D
-        vmask = offs_dv[None, :] < DV
-    k = tl.load(k_ptrs_base + j[:, None] * stride_kt + offs_d[None, :], mask=kmask, other=0.0)  # (BN, D)
-    v = tl.load(v_ptrs_base + j[:, None] * stride_vt + offs_dv[None, :], mask=vmask, other=0.0)  # (BN, DV)
+    k, v = load_kv_tile(k_ptrs_base, v_ptrs_base, start_n, j, T, stride_kt, stride_vt, offs_d, offs_dv, D, DV,
+                        MASKED, TMA)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # (M, BN), log2 units
     if MASKED:
         vis = (j[None, :] <= t_row[:, None]) & (j[None, :] >= ds_row[:, None])
@@ -77,7 +108,7 @@ def attn_fwd_kernel(
     HQ, D: tl.constexpr, DV: tl.constexpr,
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SINK: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr = False,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
     pid_t = tl.program_id(0)
@@ -108,30 +139,30 @@ def attn_fwd_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
-    k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_vh
+    k_base, v_base = kv_sources(k_ptr, v_ptr, kvh, T, stride_kt, stride_kh, stride_vt, stride_vh, D, DV, BLOCK_N,
+                                BLOCK_D, BLOCK_DV, TMA)
     if BAND:
         # Short window: one masked loop over the exact band (bounds.py).
         k_lo, k_hi = band_key_range(doc_start_ptr, a, T, W, BLOCK_T)
         for start_n in range(k_lo, k_hi, BLOCK_N):
             acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
                                        stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC, TMA)
     else:
         # Key range of the tile, in three BLOCK_N-aligned pieces (masked edge, unmasked interior, masked diagonal).
         k_start, s1, s2, k_end = key_ranges(doc_start_ptr, a, T, W, BLOCK_T, BLOCK_N, HAS_WINDOW)
         for start_n in range(k_start, s1, BLOCK_N):
             acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
                                        stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC, TMA)
         for start_n in range(s1, s2, BLOCK_N):
             acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
                                        stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                       False, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+                                       False, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC, TMA)
         for start_n in range(s2, k_end, BLOCK_N):
             acc, l_i, m_i = _attn_tile(acc, l_i, m_i, q, t_row, ds_row, k_base, v_base, start_n, T, W,
                                        stride_kt, stride_vt, qk_scale, offs_n, offs_d, offs_dv, D, DV,
-                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC)
+                                       True, HAS_WINDOW, BLOCK_D, BLOCK_DV, DOT_PREC, TMA)
 
     out = acc / l_i[:, None]
     tl.store(o_ptr + t_row[:, None] * stride_ot + h_row[:, None] * stride_oh + offs_dv[None, :],
