@@ -8,7 +8,7 @@ layout: every candidate's ms, its ratio to the default, and the best; with FA4 i
 from the same process beside the default's and the best configs' sum, and the ratios.
 
     python bench/attention_sweep.py [--layouts 4x4096,1x16384] [--windows none] [--kernels fwd,dq,dkdv]
-                                    [--out bench/results/attention_sweep.json]
+                                    [--variants-only] [--out bench/results/attention_sweep.json]
 
 Why a sweep and not ``POLYRL_TRITON_AUTOTUNE=1``: the autotuner prints only its pick, not the table of all
 candidates, and it cannot flag a config whose result is wrong. Needs a CUDA GPU.
@@ -119,9 +119,11 @@ def default_and_pick(kernel: str, window: int | None, first: tuple[int, int, int
 
 
 def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype=None, do_bench=None,
-                 candidates: dict | None = None, kernels: list[str] | None = None) -> dict:
+                 candidates: dict | None = None, kernels: list[str] | None = None,
+                 variants_only: bool = False) -> dict:
     """One layout's sweep (module docstring). ``kernels``: the kernels swept (all by default); the others run their
-    default and Hopper pick only (``default_and_pick``). ``device`` / ``dtype`` / ``do_bench`` / ``candidates``:
+    default and Hopper pick only (``default_and_pick``). ``variants_only``: a swept kernel runs its default and
+    Hopper pick, then its variants' listed tiles, and not its other plain candidates. ``device`` / ``dtype`` / ``do_bench`` / ``candidates``:
     for the CPU check of this script under TRITON_INTERPRET=1 (tests/cuda/test_attention_sweep_interpret.py)."""
     import torch
     import triton
@@ -195,6 +197,9 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
     for kernel, cands in (candidates or CANDIDATES).items():
         if kernels is None or kernel in kernels:
             variants = sweep_rows(kernel, cands, listed=candidates is None)
+            if variants_only:
+                plain = default_and_pick(kernel, window, cands[0])
+                variants = plain + [row for row in variants if row[1] and row not in plain]
         else:
             variants = default_and_pick(kernel, window, cands[0])
         ref = None
@@ -272,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", default="none")
     ap.add_argument("--kernels", default=",".join(CANDIDATES),
                     help="comma list of the kernels swept (the others run their default and Hopper pick only)")
+    ap.add_argument("--variants-only", action="store_true",
+                    help="swept kernels: their default, Hopper pick and variants, not their other plain candidates")
     ap.add_argument("--out", default="bench/results/attention_sweep.json")
     args = ap.parse_args(argv)
     import torch
@@ -291,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for layout in args.layouts.split(","):
         for w in args.windows.split(","):
-            results.append(sweep_layout(layout, None if w == "none" else int(w), kernels=kernels))
+            results.append(sweep_layout(layout, None if w == "none" else int(w), kernels=kernels,
+                                        variants_only=args.variants_only))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "shape": f"Hq {H_Q}, Hkv {H_KV}, D {HEAD_DIM}, bf16, sinks",
             "wall_s": round(time.perf_counter() - t0, 1)}

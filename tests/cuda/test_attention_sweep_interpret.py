@@ -94,3 +94,17 @@ def test_variants_match_the_default_with_padded_groups_and_windows(window):
         rows = r["kernels"][kernel]["rows"]
         assert {row["config"].split(" ")[-1] for row in rows} >= set(mod.VARIANTS[kernel])
         assert all(row["ok"] and row["max_rel_diff_vs_default"] < 1e-5 for row in rows), rows
+
+
+def test_variants_only_keeps_the_default_the_pick_and_the_variants(monkeypatch):
+    mod = _load()
+    from polyrl.backends.cuda.kernels import configs
+
+    monkeypatch.setattr(configs, "HOPPER_PICKS", {("dkdv", 64, False): (32, 16, 4, 1)})
+    cands = {"fwd": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1)],
+             "dkdv": [(16, 16, 4, 1), (16, 32, 4, 1), (32, 16, 4, 1)]}
+    r = mod.sweep_layout("1x24", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands,
+                         kernels=["dkdv"], variants_only=True)
+    got = [row["config"] for row in r["kernels"]["dkdv"]["rows"]]
+    variants = [mod.config_label(c, v) for c, v in mod.sweep_rows("dkdv", cands["dkdv"], listed=False) if v]
+    assert got == ["M16 N16 w4 s1", "M32 N16 w4 s1", *variants]  # no M16 N32 plain row
