@@ -183,11 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     table = kernels()
     for window in windows:
         for name in wanted:
-            # all candidates (or the first N), then (all only) the dK/dV kernel's variants on their listed tiles
-            # (PREFETCH, TMA: different code; the heavy-first rows of the forward and dQ are the same code)
+            # all candidates (or the first N), then (all only) the variants on their listed tiles (TMA, dK/dV's
+            # PREFETCH; the heavy-first rows of the forward and dQ, the same code, are listed empty)
             variants = [(cfg, "") for cfg in CANDIDATES[name][: args.configs or None]]
-            if name == "dkdv" and not args.configs:
-                variants += sweep_rows("dkdv", [])
+            if not args.configs:
+                variants += sweep_rows(name, [])
             for cfg, variant in variants:
                 m, n, w, s = cfg
                 t0 = time.perf_counter()
