@@ -262,8 +262,10 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
     assert C.measured_pick("dq", 32, 32, False, (9, 0)) is not None  # head-dim class 64
     pick = C.measured_pick("dkdv", 64, 64, False, (9, 0))
     assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 64, "BLOCK_N": 64, "PREFETCH": True}, 4, 1)
+    pick = C.measured_pick("fwd", 64, 64, False, (9, 0))
+    assert (pick.kwargs, pick.num_warps, pick.num_stages) == ({"BLOCK_M": 128, "BLOCK_N": 64, "TMA": True}, 8, 3)
     for args in (("dq", 64, 64, True, (9, 0)), ("dq", 128, 128, False, (9, 0)), ("dq", 192, 128, False, (9, 0)),
-                 ("dkdv", 64, 64, True, (9, 0)), ("dkdv", 128, 128, False, (9, 0)), ("fwd", 64, 64, False, (9, 0)),
+                 ("dkdv", 64, 64, True, (9, 0)), ("dkdv", 128, 128, False, (9, 0)), ("fwd", 64, 64, True, (9, 0)),
                  ("dq", 64, 64, False, (8, 0)), ("dkdv", 64, 64, False, (10, 0)),
                  ("dq", 64, 64, False, (10, 0))):
         assert C.measured_pick(*args) is None, args

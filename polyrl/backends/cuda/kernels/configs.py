@@ -110,9 +110,14 @@ def fused_configs() -> list[triton.Config]:
 # Since d9f1fea the dK/dV pick is 64 rows, 64 keys, 4 warps, one stage with PREFETCH (the next q tile's loads issued
 # before this tile's matmuls, so the one-stage walk stops waiting on each load): on one H100 (2026-12-07) 3.467 ms
 # against the one above's 3.856 at 4 x 4096 and 11.908 against 12.603 at 1 x 16384 (0.90x / 0.94x).
-# A row may add the kernel's variant flags as a fifth element (constexprs, e.g. ``{"PREFETCH": True}``).
+# The forward, measured on one H100 (2026-12-07, 913204d): 128 rows, 64 keys, 8 warps, 3 stages with its K/V tiles
+# loaded through TMA took 1.376 ms against the first config's 1.481 at 4 x 4096 and 4.986 against 5.421 at 1 x 16384
+# (0.93x / 0.92x); TMA did not beat the dQ and dK/dV picks (bench/results/h100_2026-12-07_round44/sweep.log).
+# A row may add the kernel's variant flags as a fifth element (constexprs, e.g. ``{"PREFETCH": True}``); a ``TMA``
+# row runs with pointer loads where the tensors do not qualify (polyrl.backends.cuda.tma).
 HOPPER_PICKS: dict[tuple[str, int, bool], tuple[int, int, int, int] | tuple[int, int, int, int, dict[str, bool]]] = {
     # (BLOCK_M, BLOCK_N, num_warps, num_stages[, variant flags])
+    ("fwd", 64, False): (128, 64, 8, 3, {"TMA": True}),
     ("dq", 64, False): (256, 64, 8, 3),
     ("dkdv", 64, False): (64, 64, 4, 1, {"PREFETCH": True}),
 }
