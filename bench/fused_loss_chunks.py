@@ -2,7 +2,7 @@
 over token chunks) timed at several token-chunk budgets and dW accumulator choices, beside the four-matmul fused
 log-prob path (``cublas_linear_logprobs`` + its backward) and Liger's fused linear cross-entropy in the same run.
 
-The chunk budget (polyrl.core.algorithms.linear_loss.FUSED_CHUNK_BYTES, 384 MiB: 256 rows at GPT-OSS's 201,088-token
+The chunk budget (polyrl.core.algorithms.linear_loss.FUSED_CHUNK_BYTES, 768 MiB: 640 rows at GPT-OSS's 201,088-token
 vocabulary in bf16) sets K of each dW update ``dW += ∂z_cᵀ h_c``: every update reads and writes the whole [V, H]
 accumulator, so small chunks make dW's sum memory-bound. Prints ms and extra GiB per setting, ratios to the
 four-matmul path and to Liger.

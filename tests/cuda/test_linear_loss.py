@@ -87,8 +87,9 @@ def test_dw_summed_in_the_weight_dtype_past_its_budget(epilogue, monkeypatch) ->
 
 def test_chunk_rows_and_dw_dtype_at_gpt_oss_width() -> None:
     V, H = 201088, 2880
-    assert LOSS.fused_token_chunk(16384, V, 2, 1024) == 256  # fp32 z + bf16 ∂z of 256 rows: 294 MiB
-    assert LOSS.fused_token_chunk(16384, V, 4, 1024) == 384  # fp32: ∂z overwrites z
+    assert LOSS.fused_token_chunk(16384, V, 2, 1024) == 640  # fp32 z + bf16 ∂z of 640 rows: 736 MiB
+    assert LOSS.fused_token_chunk(16384, V, 4, 1024) == 896  # fp32: ∂z overwrites z
+    assert LOSS.fused_token_chunk(16384, V, 2, 512) == 512  # the caller's chunk_size bounds it
     assert LOSS.fused_token_chunk(100, 8192, 2, 1024) == 100
     big = torch.empty(V, H, dtype=torch.bfloat16, device="meta")
     assert LOSS.dw_accumulator_dtype(big) == torch.bfloat16  # fp32 would be 2.2 GiB
