@@ -123,8 +123,9 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                  variants_only: bool = False) -> dict:
     """One layout's sweep (module docstring). ``kernels``: the kernels swept (all by default); the others run their
     default and Hopper pick only (``default_and_pick``). ``variants_only``: a swept kernel runs its default and
-    Hopper pick, then its variants' listed tiles, and not its other plain candidates. ``device`` / ``dtype`` / ``do_bench`` / ``candidates``:
-    for the CPU check of this script under TRITON_INTERPRET=1 (tests/cuda/test_attention_sweep_interpret.py)."""
+    Hopper pick, then its variants' listed tiles, and not its other plain candidates. ``device`` / ``dtype`` /
+    ``do_bench`` / ``candidates``: for the CPU check of this script under TRITON_INTERPRET=1
+    (tests/cuda/test_attention_sweep_interpret.py)."""
     import torch
     import triton
 

@@ -1,10 +1,11 @@
 """Host side of the kernels' TMA (tensor memory accelerator) loads: which tensors qualify, and the global scratch
 Triton needs for descriptors built inside a kernel (``tl.make_tensor_descriptor``).
 
-A kernel variant that loads through descriptors (the dK/dV kernel's ``TMA``, kernels/backward.py) runs only where
-the hardware's rules hold: compute capability 9.0 or newer (the interpreter emulates it anywhere), a 16-byte aligned
-base, 16-byte multiples for every stride but the last, and a unit last stride. Anything else runs the pointer-load
-code, which computes the same values.
+A kernel variant that loads through descriptors (``TMA`` in the forward, dQ and dK/dV kernels; kernels/README.md)
+runs only where a Hopper pick asks for it (kernels/configs.py, compute capability 9.x; the interpreter emulates
+descriptors anywhere, for the CPU tests) and the tensors meet the hardware's rules: a 16-byte aligned base, 16-byte
+multiples for every stride but the last, and a unit last stride. Anything else runs the pointer-load code, which
+computes the same values.
 """
 
 from __future__ import annotations
