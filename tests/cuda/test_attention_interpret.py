@@ -345,3 +345,4 @@ def test_tma_loadable_follows_the_hardware_rules():
     assert not tma_loadable(torch.zeros(64, 8, 4, dtype=torch.bfloat16)[:, :, :3])  # row stride 4 elements = 8 B
     assert not tma_loadable(torch.zeros(64, 8, 12, dtype=torch.bfloat16))  # head stride 24 B
     assert tma_loadable(torch.zeros(64, 8, 4, dtype=torch.float32))  # 16 B head stride in fp32
+    assert not tma_loadable(torch.zeros(64, 8, 64, dtype=torch.bfloat16)[:, :, :4])  # good strides, 8-byte rows

@@ -4,7 +4,7 @@ Triton needs for descriptors built inside a kernel (``tl.make_tensor_descriptor`
 A kernel variant that loads through descriptors (``TMA`` in the forward, dQ and dK/dV kernels; kernels/README.md)
 runs only where a Hopper pick asks for it (kernels/configs.py, compute capability 9.x; the interpreter emulates
 descriptors anywhere, for the CPU tests) and the tensors meet the hardware's rules: a 16-byte aligned base, 16-byte
-multiples for every stride but the last, and a unit last stride. Anything else runs the pointer-load code, which
+multiples for every stride but the last, a unit last stride, and rows of at least 16 bytes. Anything else runs the pointer-load code, which
 computes the same values.
 """
 
@@ -15,10 +15,11 @@ import triton
 
 
 def tma_loadable(*tensors: torch.Tensor) -> bool:
-    """True when every tensor can be read through a TMA descriptor over its own shape and strides."""
+    """True when every tensor can be read through a TMA descriptor over its own shape and strides (and its rows, the
+    box's inner dimension, span at least 16 bytes)."""
     for t in tensors:
         size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or t.shape[-1] * size < 16:
             return False
         if any((s * size) % 16 for s in t.stride()[:-1]):
             return False
