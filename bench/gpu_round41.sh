@@ -40,8 +40,8 @@
 # sweep:
 #   7. bench/attention_sweep.py at 4x4096 and 1x16384 (causal): every candidate of the three Triton kernels, among
 #      them three 128-key dK/dV configs that compile without spills (docs/performance.md, "the compiled code"), and
-#      (since 2026-12-07's seventh session, not yet run on a GPU) the dK/dV kernel's PREFETCH variant (the next q
-#      tile's loads issued before this tile's matmuls) on six configs, the Hopper pick first.
+#      each kernel's variants on their listed tiles (attention_sweep.VARIANT_CANDIDATES: dK/dV's PREFETCH, the TMA
+#      loads of all three; measured on an H100 on 2026-12-07).
 # Logs and JSON go to $OUT (the device's return folder) or ./gpu_round41_out.
 set -uo pipefail
 PART=${1:-experts}

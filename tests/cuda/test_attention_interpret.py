@@ -306,8 +306,8 @@ def test_measured_hopper_pick_replaces_the_first_config_only_where_measured(monk
 
 
 def test_a_tma_pick_runs_only_on_tensors_tma_can_read(monkeypatch):
-    """A HOPPER_PICKS row with ``TMA`` reaches the dK/dV kernel as TMA=True only where the launcher says the
-    tensors qualify (polyrl.backends.cuda.tma.tma_loadable); otherwise the same config runs its pointer loads."""
+    """A HOPPER_PICKS row with ``TMA`` reaches the dK/dV kernel as TMA=True only where the tensors its descriptors read
+    qualify (polyrl.backends.cuda.tma.tma_loadable); otherwise the same config runs its pointer loads."""
     import polyrl.backends.cuda.attention as A
     from polyrl.backends.cuda.kernels import configs as C
 
@@ -326,8 +326,9 @@ def test_a_tma_pick_runs_only_on_tensors_tma_can_read(monkeypatch):
 
     meta = dict(D=64, DV=64, G_P=8, HAS_WINDOW=False, BAND=False)
     q = torch.zeros(1)
-    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions(), tma_ok=True)
-    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions(), tma_ok=False)
+    good, bad = torch.zeros(64, 8, 64, dtype=torch.bfloat16), torch.zeros(64, 8, 64, dtype=torch.bfloat16)[:, :, 1:]
+    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions(), tma_tensors=(good, good))
+    A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions(), tma_tensors=(good, bad))
     A._launch(_Tuner(), "dkdv", "grid", (q,), meta, A.KernelOptions())  # not said: pointer loads
     assert [kw["TMA"] for kw in launched] == [True, False, False]
     assert all(kw["BLOCK_M"] == 64 and kw["num_stages"] == 2 for kw in launched)

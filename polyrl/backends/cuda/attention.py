@@ -101,14 +101,16 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
 
 
-def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config, tma_ok: bool = False) -> None:
+def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config,
+                tma_tensors: tuple[torch.Tensor, ...] = ()) -> None:
     """The Triton function under ``kernel``'s autotuner with one config (its row tile widened to the GQA group).
-    A config's ``TMA`` variant runs only with ``tma_ok`` (polyrl.backends.cuda.tma: the tensors qualify); otherwise
-    the same config runs its pointer loads."""
+    A config's ``TMA`` variant runs only where ``tma_tensors`` (the tensors its descriptors read) qualify
+    (polyrl.backends.cuda.tma.tma_loadable, checked only for such a config); otherwise the same config runs its
+    pointer loads."""
     (config,) = prune_rows([config], meta)
     kwargs = {**meta, **config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}
     if kwargs.get("TMA"):
-        if tma_ok:
+        if tma_tensors and tma_loadable(*tma_tensors):
             if args[0].device.type == "cuda":
                 ensure_allocator()
         else:
@@ -117,18 +119,18 @@ def _launch_one(kernel, grid, args: tuple, meta: dict, config: triton.Config, tm
 
 
 def _launch(kernel, name: str, grid, args: tuple, meta: dict, options: KernelOptions, reset_to_zero=None,
-            tma_ok: bool = False) -> None:
+            tma_tensors: tuple[torch.Tensor, ...] = ()) -> None:
     """Run ``kernel`` (an Autotuner over its first-config list; a measured pick of
     polyrl.backends.cuda.kernels.configs.HOPPER_PICKS instead where one applies) or, with ``configs="table"``,
     the same Triton function with the table's config for (name, head-dim class, band); several candidates
-    (autotuning on) go through an Autotuner of their own, cached per candidate list. ``tma_ok``: whether a pick's
-    ``TMA`` variant may run (``_launch_one``)."""
+    (autotuning on) go through an Autotuner of their own, cached per candidate list. ``tma_tensors``: what a pick's
+    ``TMA`` variant would read through descriptors (``_launch_one``)."""
     if options.configs == "first":
         pick = measured_pick(name, meta["D"], meta["DV"], meta["HAS_WINDOW"], _capability(args[0].device))
         if pick is None:
             launch(kernel, grid, args, meta)
         else:
-            _launch_one(kernel, grid, args, meta, pick, tma_ok)
+            _launch_one(kernel, grid, args, meta, pick, tma_tensors)
         return
     configs = table_configs(name, meta["D"], meta["DV"], meta["BAND"])
     if len(configs) == 1:
@@ -197,7 +199,7 @@ class _VarlenAttention(torch.autograd.Function):
                           BLOCK_D=triton.next_power_of_2(D), BLOCK_DV=triton.next_power_of_2(Dv),
                           HAS_WINDOW=window is not None, HAS_SINK=has_sink, DOT_PREC=_dot_precision(q.dtype),
                           BAND=options.band(window), HEAVY_FIRST=options.heavy_first), options,
-                    tma_ok=tma_loadable(k, v))
+                    tma_tensors=(k, v))
         ctx.save_for_backward(q, k, v, o, lse, doc_start, doc_end, sinks if has_sink else None)
         ctx.scale, ctx.window, ctx.has_sink, ctx.options = scale, window, has_sink, options
         return o
@@ -257,13 +259,13 @@ class _VarlenAttention(torch.autograd.Function):
                     T, W, G, ctx.scale * LOG2E, ctx.scale,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dq.stride(0), dq.stride(1),
-                    Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options, tma_ok=tma_loadable(k, v))
+                    Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options, tma_tensors=(k, v))
                 _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, (
                     q, k, v, do, lse, delta, dk, dv, doc_start, doc_end,
                     T, W, G, ctx.scale * LOG2E, ctx.scale,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                    Hq), meta, options, tma_ok=tma_loadable(q, do))
+                    Hq), meta, options, tma_tensors=(q, do))
         if atomic:
             dq = dq_acc.mul_(ctx.scale).to(q.dtype)  # fp32 inputs: the buffer itself
         dsink = None

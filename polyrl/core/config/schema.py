@@ -52,7 +52,8 @@ class ModelConfig:
     # (Backend.linear_logprob_loss), so the logits are made once per update instead of twice (three lm_head
     # matmuls instead of four). auto: on the fused path where the backend has its own kernel for it (cuda);
     # true: required (refused without the fused path); false: the loss's gradient through the op's backward.
-    # Default false: on an H100 the cuda kernel measured slower than the four-matmul path (docs/performance.md).
+    # Default false: on an H100 the cuda kernel is 0.86x the four-matmul path's time at 16k tokens but holds
+    # 0.45 GiB more, and the training step has not been timed with it (docs/performance.md).
     fused_loss: bool | Literal["auto"] = False
     # Where a one-process run makes its weights: "host" (drawn or loaded in host memory, then moved: the same
     # random draws on every backend, what CPU <-> GPU parity needs) or "device" (drawn or loaded straight on the
