@@ -44,7 +44,9 @@ H_Q, H_KV, HEAD_DIM = 64, 8, 64
 VARIANTS: dict[str, dict[str, dict[str, bool]]] = {
     "fwd": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
     "dq": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
-    "dkdv": {"prefetch": {"PREFETCH": True}, "tma": {"TMA": True}},
+    "dkdv": {"prefetch": {"PREFETCH": True}, "tma": {"TMA": True},
+             # the launch order before 2026-12-08 (key blocks fastest), against the default (kv heads fastest)
+             "heads-outer": {"HEADS_INNER": False}, "prefetch-heads-outer": {"PREFETCH": True, "HEADS_INNER": False}},
 }
 VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with each variant, unless listed here:
 VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
@@ -63,6 +65,9 @@ VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         # 143-242 registers, no spills (32 rows x 128 keys on 4 warps spills)
         "tma": [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 1), (64, 128, 8, 2),
                 (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3)],
+        # the old launch order on the first config and on the Hopper pick
+        "heads-outer": [(64, 64, 4, 2)],
+        "prefetch-heads-outer": [(64, 64, 4, 1)],
     },
 }
 
@@ -190,8 +195,7 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
                 do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), H_Q)
 
         def go():
-            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n), H_KV)](
-                *args, **common, PREFETCH=flags.get("PREFETCH", False), TMA=flags.get("TMA", False), **launch)
+            attn_bwd_dkdv_kernel.fn[(triton.cdiv(T, n) * H_KV,)](*args, **common, **flags, **launch)
         return go, (dk, dv)
 
     result: dict = {"layout": layout, "window": window, "kernels": {}}

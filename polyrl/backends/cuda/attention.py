@@ -246,6 +246,9 @@ class _VarlenAttention(torch.autograd.Function):
             def grid_kv(meta):
                 return (triton.cdiv(T, meta["BLOCK_N"]), Hkv)
 
+            def grid_dkdv(meta):  # 1-D: the kernel maps a program to (key block, kv head), see HEADS_INNER
+                return (triton.cdiv(T, meta["BLOCK_N"]) * Hkv,)
+
             if atomic:
                 _launch(attn_bwd_fused_kernel, "fused", grid_kv, (
                     q, k, v, do, lse, delta, dk, dv, dq_acc, d_exact, doc_start, doc_end,
@@ -260,7 +263,7 @@ class _VarlenAttention(torch.autograd.Function):
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),
                     do.stride(1), dq.stride(0), dq.stride(1),
                     Hq), dict(meta, HEAVY_FIRST=options.heavy_first), options, tma_tensors=(k, v))
-                _launch(attn_bwd_dkdv_kernel, "dkdv", grid_kv, (
+                _launch(attn_bwd_dkdv_kernel, "dkdv", grid_dkdv, (
                     q, k, v, do, lse, delta, dk, dv, doc_start, doc_end,
                     T, W, G, ctx.scale * LOG2E, ctx.scale,
                     q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0),

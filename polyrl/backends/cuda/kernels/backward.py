@@ -189,9 +189,22 @@ def attn_bwd_dkdv_kernel(
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False,
-    TMA: tl.constexpr = False,
+    TMA: tl.constexpr = False, HEADS_INNER: tl.constexpr = True,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
+    # One program per (key block, kv head) on a 1-D grid. ``HEADS_INNER``: the kv head varies fastest, so the
+    # key blocks that see the most queries (a document's first, causal) start first for every head, and the
+    # light ones end the launch. Otherwise (key blocks fastest) the last head's heaviest blocks start late and run
+    # on alone: a tail of ~14% of the kernel at 4 x 4096 tokens in a model of the launch (docs/performance.md).
+    pid = tl.program_id(0)
+    n_kv = HQ // G
+    if HEADS_INNER:
+        kvh = pid % n_kv
+        c = (pid // n_kv) * BLOCK_N
+    else:
+        n_blocks = tl.cdiv(T, BLOCK_N)
+        kvh = pid // n_blocks
+        c = (pid % n_blocks) * BLOCK_N
     if TMA:
         # q and dO viewed as [T, Hkv, G, D]: a q tile is one box (BLOCK_T tokens, this kv head, G_P heads), loaded
         # by the TMA unit into shared memory, so the pipelined walk holds no per-element addresses in registers.
@@ -205,8 +218,6 @@ def attn_bwd_dkdv_kernel(
     else:
         q_src = q_ptr
         do_src = do_ptr
-    c = tl.program_id(0) * BLOCK_N
-    kvh = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
