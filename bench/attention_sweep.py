@@ -45,8 +45,8 @@ VARIANTS: dict[str, dict[str, dict[str, bool]]] = {
     "fwd": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
     "dq": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
     "dkdv": {"prefetch": {"PREFETCH": True}, "tma": {"TMA": True},
-             # the launch order before 2026-12-08 (key blocks fastest), against the default (kv heads fastest)
-             "heads-outer": {"HEADS_INNER": False}, "prefetch-heads-outer": {"PREFETCH": True, "HEADS_INNER": False}},
+             # the launch with the kv heads fastest (bench/launch_tail.py), against the default (key blocks fastest)
+             "heads-inner": {"HEADS_INNER": True}, "prefetch-heads-inner": {"PREFETCH": True, "HEADS_INNER": True}},
 }
 VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with each variant, unless listed here:
 VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
@@ -65,9 +65,10 @@ VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
         # 143-242 registers, no spills (32 rows x 128 keys on 4 warps spills)
         "tma": [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 1), (64, 128, 8, 2),
                 (64, 128, 8, 3), (32, 64, 4, 2), (32, 64, 4, 3), (32, 128, 8, 2), (32, 128, 8, 3)],
-        # the old launch order on the first config and on the Hopper pick
-        "heads-outer": [(64, 64, 4, 2)],
-        "prefetch-heads-outer": [(64, 64, 4, 1)],
+        # kv heads fastest on the first config, the Hopper pick and the 128-key tiles, whose fewer programs (one per
+        # SM at 8 warps) leave the longest tail in key-block order (bench/launch_tail.py)
+        "heads-inner": [(64, 64, 4, 2), (64, 128, 8, 2), (64, 128, 8, 3)],
+        "prefetch-heads-inner": [(64, 64, 4, 1), (64, 128, 8, 1)],
     },
 }
 

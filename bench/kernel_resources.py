@@ -114,7 +114,7 @@ def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: in
     elif kernel == "dq":
         c.update(HEAVY_FIRST=False, TMA=False)
     else:
-        c.update(PREFETCH=False, TMA=False, HEADS_INNER=True)
+        c.update(PREFETCH=False, TMA=False, HEADS_INNER=False)
     c.update(VARIANTS[kernel].get(variant, {}) if variant else {})
     return c
 

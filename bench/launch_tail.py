@@ -7,12 +7,12 @@ program, in launch order, takes the slot that frees first) and prints the finish
 spread evenly over the slots), for the grid orders of polyrl's kernels at GPT-OSS shapes (8 kv heads):
 
 - ``fwd`` / ``dq``: program = (q tile, kv head), tiles fastest, heaviest tile first (``HEAVY_FIRST``);
-- ``dkdv`` heads-outer: program = (key block, kv head), key blocks fastest (the order before 2026-12-08);
-- ``dkdv`` heads-inner: kv heads fastest (``HEADS_INNER``, the default).
+- ``dkdv`` heads-outer: program = (key block, kv head), key blocks fastest (the default);
+- ``dkdv`` heads-inner: kv heads fastest (the kernel's ``HEADS_INNER`` flag).
 
 Work is counted in tokens seen (plus a fixed cost per program for its loads and stores), slots are concurrent
 programs per GPU (SMs x programs per SM, from the kernel's registers: bench/kernel_resources.py). The model ignores
-memory effects; it says where ordering matters, the GPU says by how much (bench/attention_sweep.py's heads-outer
+memory effects; it says where ordering matters, the GPU says by how much (bench/attention_sweep.py's heads-inner
 variants).
 
     python bench/launch_tail.py [--layouts 4x4096,1x16384] [--sms 132] [--fixed 64]
@@ -25,7 +25,8 @@ import heapq
 
 H_KV = 8
 # kernel -> (tokens per program along T, programs per SM at the Hopper pick, walks "q" tiles or "k" blocks)
-KERNELS = {"fwd": (16, 2, "q"), "dq": (32, 1, "q"), "dkdv": (64, 2, "k")}
+# ("dkdv-n128": the 128-key tiles on 8 warps, one program per SM)
+KERNELS = {"fwd": (16, 2, "q"), "dq": (32, 1, "q"), "dkdv": (64, 2, "k"), "dkdv-n128": (128, 1, "k")}
 
 
 def finish_time(order: list, work: dict, slots: int) -> float:
@@ -67,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU (H100 SXM and H200: 132)")
     ap.add_argument("--fixed", type=float, default=64.0, help="a program's fixed cost, in tokens of its walk")
     args = ap.parse_args(argv)
-    rows = [("fwd", "heads-outer"), ("dq", "heads-outer"), ("dkdv", "heads-outer"), ("dkdv", "heads-inner")]
-    print(f"{'layout':9s} {'kernel':6s} {'grid order':12s} finish / ideal")
+    rows = [("fwd", "heads-outer"), ("dq", "heads-outer"), ("dkdv", "heads-outer"), ("dkdv", "heads-inner"),
+            ("dkdv-n128", "heads-outer"), ("dkdv-n128", "heads-inner")]
+    print(f"{'layout':9s} {'kernel':9s} {'grid order':12s} finish / ideal")
     for layout in args.layouts.split(","):
         for kernel, order in rows:
-            print(f"{layout:9s} {kernel:6s} {order:12s} {tail(layout, kernel, order, args.sms, args.fixed):.3f}")
+            print(f"{layout:9s} {kernel:9s} {order:12s} {tail(layout, kernel, order, args.sms, args.fixed):.3f}")
     return 0
 
 

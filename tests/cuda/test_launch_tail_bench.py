@@ -20,4 +20,4 @@ def test_heads_inner_removes_the_dkdv_tail_of_equal_documents(capsys):
     assert outer > 1.10 and inner < 1.01, (outer, inner)
     assert bench.tail("4x4096", "fwd", "heads-outer") < 1.01  # heaviest-first q tiles leave no tail
     assert bench.main(["--layouts", "2x1024"]) == 0
-    assert "dkdv   heads-inner" in capsys.readouterr().out
+    assert "dkdv-n128 heads-inner" in capsys.readouterr().out

@@ -4,7 +4,7 @@ The backward is a standard flash backward run on (O', LSE') — docs/background.
 ``dS = P' * (dO V^T - D)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P'^T dO``; the sink only enters
 through LSE' and through ``dsink_h = -sum_i p_sink_i D_i`` (computed by the caller from D and LSE').
 
-dK/dV: program = (BLOCK_N keys, kv head), on a 1-D grid with the kv head fastest (``HEADS_INNER``). It walks the q tiles that can see its keys — rows are
+dK/dV: program = (BLOCK_N keys, kv head), on a 1-D grid (``HEADS_INNER``: kv head fastest). It walks the q tiles that can see its keys — rows are
 (token, head-of-the-group) pairs exactly as in the forward — so the sum over the G query heads of the group
 happens in the fp32 dK/dV registers; nothing of size Hq x T x D is ever materialised.
 dQ: program = (q tile, kv head), the forward's key walk again. Each output element is written by exactly one
@@ -189,13 +189,14 @@ def attn_bwd_dkdv_kernel(
     G_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PREC: tl.constexpr, BAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr = False,
-    TMA: tl.constexpr = False, HEADS_INNER: tl.constexpr = True,
+    TMA: tl.constexpr = False, HEADS_INNER: tl.constexpr = False,
 ):
     BLOCK_T: tl.constexpr = BLOCK_M // G_P
-    # One program per (key block, kv head) on a 1-D grid. ``HEADS_INNER``: the kv head varies fastest, so the
-    # key blocks that see the most queries (a document's first, causal) start first for every head, and the
-    # light ones end the launch. Otherwise (key blocks fastest) the last head's heaviest blocks start late and run
-    # on alone: a tail of ~14% of the kernel at 4 x 4096 tokens in a model of the launch (bench/launch_tail.py).
+    # One program per (key block, kv head) on a 1-D grid. By default the key blocks vary fastest (the order of the
+    # former 2-D grid), so the last head's heaviest blocks (a document's first, causal) start late and run on
+    # alone: a tail of ~14% of the kernel at 4 x 4096 tokens in a model of the launch (bench/launch_tail.py).
+    # ``HEADS_INNER``: the kv head varies fastest, so every head's heaviest blocks start first. Not yet timed on a
+    # GPU, hence off (bench/attention_sweep.py's heads-inner variants).
     pid = tl.program_id(0)
     n_kv = HQ // G
     if HEADS_INNER:
