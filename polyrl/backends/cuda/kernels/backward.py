@@ -4,9 +4,9 @@ The backward is a standard flash backward run on (O', LSE') — docs/background.
 ``dS = P' * (dO V^T - D)``, ``dQ = scale dS K``, ``dK = scale dS^T Q``, ``dV = P'^T dO``; the sink only enters
 through LSE' and through ``dsink_h = -sum_i p_sink_i D_i`` (computed by the caller from D and LSE').
 
-dK/dV: program = (BLOCK_N keys, kv head), on a 1-D grid (``HEADS_INNER``: kv head fastest). It walks the q tiles that can see its keys — rows are
-(token, head-of-the-group) pairs exactly as in the forward — so the sum over the G query heads of the group
-happens in the fp32 dK/dV registers; nothing of size Hq x T x D is ever materialised.
+dK/dV: program = (BLOCK_N keys, kv head), on a 1-D grid (``HEADS_INNER``: kv head fastest). It walks the q tiles
+that can see its keys — rows are (token, head-of-the-group) pairs exactly as in the forward — so the sum over the G
+query heads of the group happens in the fp32 dK/dV registers; nothing of size Hq x T x D is ever materialised.
 dQ: program = (q tile, kv head), the forward's key walk again. Each output element is written by exactly one
 program, so the backward is deterministic. ``BAND`` (the default for windows up to 256 keys, as in the
 forward): one masked loop over the exact band instead of the three aligned ranges (bounds.py). backward_fused.py holds the opt-in atomic alternative.
