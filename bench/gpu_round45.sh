@@ -24,7 +24,8 @@ if [ "$PART" = check ]; then
   timeout 240 python3 bench/attention_sweep.py --kernels dkdv --variants-only --layouts 4x4096,1x16384 \
     --out "$OUT/sweep/attention_sweep.json" > "$OUT/sweep/attention_sweep.log" 2>&1
   echo "attention_sweep rc=$?"; grep -E "dkdv|kernels fwd\+bwd" "$OUT/sweep/attention_sweep.log" | tail -40
-  GPU_CHECK_OUT="$OUT/qc" GPU_CHECK_STEPS="1 3" GPU_CHECK_SEEDS=0 GPU_CHECK_JOBS=2 bash bench/gpu_check.sh 2>&1 | tail -22
+  GPU_CHECK_OUT="$OUT/qc" GPU_CHECK_STEPS="1 3" GPU_CHECK_SEEDS=0 GPU_CHECK_JOBS=2 bash bench/gpu_check.sh 2>&1 \
+    | tail -22
 else
   OUT="$OUT" bash bench/gpu_round41.sh table
 fi
