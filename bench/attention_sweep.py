@@ -8,7 +8,8 @@ layout: every candidate's ms, its ratio to the default, and the best; with FA4 i
 from the same process beside the default's and the best configs' sum, and the ratios.
 
     python bench/attention_sweep.py [--layouts 4x4096,1x16384] [--windows none] [--kernels fwd,dq,dkdv]
-                                    [--variants-only] [--out bench/results/attention_sweep.json]
+                                    [--variants-only] [--variants heads-inner,...]
+                                    [--out bench/results/attention_sweep.json]
 
 Why a sweep and not ``POLYRL_TRITON_AUTOTUNE=1``: the autotuner prints only its pick, not the table of all
 candidates, and it cannot flag a config whose result is wrong. Needs a CUDA GPU.
@@ -42,8 +43,10 @@ H_Q, H_KV, HEAD_DIM = 64, 8, 64
 # (prefetch); each kernel can load the tiles it walks over (K/V for the forward and dQ, q/dO for dK/dV) through TMA
 # descriptors into shared memory (tma: no per-element addresses in registers; polyrl.backends.cuda.tma).
 VARIANTS: dict[str, dict[str, dict[str, bool]]] = {
-    "fwd": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
-    "dq": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True}},
+    "fwd": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True},
+            "tma-heavy-first": {"TMA": True, "HEAVY_FIRST": True}},
+    "dq": {"heavy-first": {"HEAVY_FIRST": True}, "tma": {"TMA": True},
+           "tma-heavy-first": {"TMA": True, "HEAVY_FIRST": True}},
     "dkdv": {"prefetch": {"PREFETCH": True}, "tma": {"TMA": True},
              # the launch with the kv heads fastest (bench/launch_tail.py), against the default (key blocks fastest)
              "heads-inner": {"HEADS_INNER": True}, "prefetch-heads-inner": {"PREFETCH": True, "HEADS_INNER": True}},
@@ -51,12 +54,18 @@ VARIANTS: dict[str, dict[str, dict[str, bool]]] = {
 VARIANT_FIRST = 4  # how many of a kernel's first candidates are swept with each variant, unless listed here:
 VARIANT_CANDIDATES: dict[str, dict[str, list[tuple[int, int, int, int]]]] = {
     # TMA loads: the tiles that compile for sm_90 without spills (bench/kernel_resources.py, Triton 3.6.0; the
-    # forward's first config drops from 255 to 207 registers, dQ's Hopper pick from 255 + 16 spilled bytes to 254)
-    "fwd": {"heavy-first": [], "tma": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2),
-                                       (128, 64, 4, 4), (256, 64, 8, 3), (64, 128, 4, 3)]},
-    "dq": {"heavy-first": [], "tma": [(256, 64, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3), (128, 64, 8, 3),
-                                      (128, 32, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)]},
-    # (heavy-first: [] -- measured on the H200 and the H100, 2026-12-06/07, and not picked; not swept again)
+    # forward's first config drops from 255 to 207 registers, dQ's Hopper pick from 255 + 16 spilled bytes to 254).
+    # Heavy-first: on the first candidates (H200, 97987a2) it took 0.97x-0.99x the forward's time and 0.96x-0.99x
+    # dQ's (one config 1.015x), as bench/launch_tail.py's model of the launch expects (a 3-4% tail without it); the
+    # picks since were measured without it, so it is swept on the picks (the forward's with its TMA loads).
+    "fwd": {"heavy-first": [],
+            "tma": [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 4),
+                    (256, 64, 8, 3), (64, 128, 4, 3)],
+            "tma-heavy-first": [(128, 64, 8, 3), (128, 64, 4, 3)]},
+    "dq": {"heavy-first": [(256, 64, 8, 3)],
+           "tma": [(256, 64, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3), (128, 64, 8, 3), (128, 32, 4, 3),
+                   (128, 128, 8, 2), (128, 128, 8, 3), (64, 128, 4, 3)],
+           "tma-heavy-first": [(64, 128, 4, 3)]},
     "dkdv": {
         # the Hopper pick (configs.HOPPER_PICKS) and the tiles whose prefetching code compiles for sm_90 without
         # spills (Triton 3.6.0: 235 / 247 / 255 / 205 / 187 registers, 0 stack bytes; 64-row two-stage and 32-row
@@ -126,10 +135,11 @@ def default_and_pick(kernel: str, window: int | None, first: tuple[int, int, int
 
 def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype=None, do_bench=None,
                  candidates: dict | None = None, kernels: list[str] | None = None,
-                 variants_only: bool = False) -> dict:
+                 variants_only: bool = False, variant_names: list[str] | None = None) -> dict:
     """One layout's sweep (module docstring). ``kernels``: the kernels swept (all by default); the others run their
     default and Hopper pick only (``default_and_pick``). ``variants_only``: a swept kernel runs its default and
-    Hopper pick, then its variants' listed tiles, and not its other plain candidates. ``device`` / ``dtype`` /
+    Hopper pick, then its variants' listed tiles, and not its other plain candidates. ``variant_names``: only these
+    variants' rows (of any kernel swept; the default and the Hopper pick still run). ``device`` / ``dtype`` /
     ``do_bench`` / ``candidates``: for the CPU check of this script under TRITON_INTERPRET=1
     (tests/cuda/test_attention_sweep_interpret.py)."""
     import torch
@@ -203,9 +213,14 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
     for kernel, cands in (candidates or CANDIDATES).items():
         if kernels is None or kernel in kernels:
             variants = sweep_rows(kernel, cands, listed=candidates is None)
+            if variant_names is not None:
+                variants = [row for row in variants if not row[1] or row[1] in variant_names]
             if variants_only:
                 plain = default_and_pick(kernel, window, cands[0])
                 variants = plain + [row for row in variants if row[1] and row not in plain]
+            elif variant_names is not None:
+                plain = default_and_pick(kernel, window, cands[0])
+                variants = plain + [row for row in variants if row not in plain]
         else:
             variants = default_and_pick(kernel, window, cands[0])
         ref = None
@@ -285,18 +300,29 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of the kernels swept (the others run their default and Hopper pick only)")
     ap.add_argument("--variants-only", action="store_true",
                     help="swept kernels: their default, Hopper pick and variants, not their other plain candidates")
+    ap.add_argument("--variants", default=None,
+                    help="comma list of variant names (VARIANTS): only their rows, beside each swept kernel's "
+                         "default and Hopper pick")
     ap.add_argument("--out", default="bench/results/attention_sweep.json")
     args = ap.parse_args(argv)
-    import torch
-
-    if not torch.cuda.is_available():
-        print("bench/attention_sweep.py needs a CUDA GPU", file=sys.stderr)
-        return 2
     kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
     unknown = [k for k in kernels if k not in CANDIDATES]
     if unknown or not kernels:
         print(f"bench/attention_sweep.py: --kernels {args.kernels!r}: expected some of {', '.join(CANDIDATES)}",
               file=sys.stderr)
+        return 2
+    names = None
+    if args.variants is not None:
+        names = [v.strip() for v in args.variants.split(",") if v.strip()]
+        known = {v for k in kernels for v in VARIANTS.get(k, {})}
+        if not names or set(names) - known:
+            print(f"bench/attention_sweep.py: --variants {args.variants!r}: expected some of "
+                  f"{', '.join(sorted(known))} (the swept kernels' variants)", file=sys.stderr)
+            return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench/attention_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
 
@@ -305,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     for layout in args.layouts.split(","):
         for w in args.windows.split(","):
             results.append(sweep_layout(layout, None if w == "none" else int(w), kernels=kernels,
-                                        variants_only=args.variants_only))
+                                        variants_only=args.variants_only, variant_names=names))
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
             "date": time.strftime("%Y-%m-%d"), "shape": f"Hq {H_Q}, Hkv {H_KV}, D {HEAD_DIM}, bf16, sinks",
             "wall_s": round(time.perf_counter() - t0, 1)}

@@ -6,14 +6,15 @@ that starts late runs on alone at the end: the tail. This script replays a launc
 program, in launch order, takes the slot that frees first) and prints the finishing time over the ideal (all work
 spread evenly over the slots), for the grid orders of polyrl's kernels at GPT-OSS shapes (8 kv heads):
 
-- ``fwd`` / ``dq``: program = (q tile, kv head), tiles fastest, heaviest tile first (``HEAVY_FIRST``);
-- ``dkdv`` heads-outer: program = (key block, kv head), key blocks fastest (the default);
-- ``dkdv`` heads-inner: kv heads fastest (the kernel's ``HEADS_INNER`` flag).
+- ``fwd`` / ``dq``: program = (q tile, kv head), tiles fastest: by default in token order (a document's light tiles
+  first), with ``HEAVY_FIRST`` last tile first;
+- ``dkdv``: program = (key block, kv head), by default key blocks fastest; ``HEADS_INNER``: kv heads fastest.
 
 Work is counted in tokens seen (plus a fixed cost per program for its loads and stores), slots are concurrent
 programs per GPU (SMs x programs per SM, from the kernel's registers: bench/kernel_resources.py). The model ignores
-memory effects; it says where ordering matters, the GPU says by how much (bench/attention_sweep.py's heads-inner
-variants).
+memory effects; it says where ordering matters, the GPU says by how much (bench/attention_sweep.py's heavy-first and
+heads-inner variants). One check of its scale: heavy-first took 0.97x-0.99x the forward's and dQ's time on an H200
+where the model gives 0.97x.
 
     python bench/launch_tail.py [--layouts 4x4096,1x16384] [--sms 132] [--fixed 64]
 """
@@ -40,8 +41,15 @@ def finish_time(order: list, work: dict, slots: int) -> float:
     return end
 
 
+ORDERS = {"fwd": ("default", "heavy-first"), "dq": ("default", "heavy-first"), "dkdv": ("default", "heads-inner"),
+          "dkdv-n128": ("default", "heads-inner")}
+
+
 def tail(layout: str, kernel: str, order: str, sms: int = 132, fixed: float = 64.0) -> float:
-    """Finishing time over the ideal for one kernel, layout ("4x4096": documents x tokens) and grid order."""
+    """Finishing time over the ideal for one kernel, layout ("4x4096": documents x tokens) and grid order (ORDERS:
+    "default", "heavy-first" for the q-tile kernels, "heads-inner" for dK/dV)."""
+    if order not in ORDERS[kernel]:
+        raise ValueError(f"{kernel}: order {order!r}, expected one of {', '.join(ORDERS[kernel])}")
     docs, length = (int(x) for x in layout.split("x"))
     block, per_sm, walks = KERNELS[kernel]
     n_blocks = docs * length // block
@@ -52,8 +60,8 @@ def tail(layout: str, kernel: str, order: str, sms: int = 132, fixed: float = 64
         for h in range(H_KV):
             work[(b, h)] = seen + fixed
     blocks = list(range(n_blocks))
-    if walks == "q":
-        blocks.reverse()  # HEAVY_FIRST: the last q tiles first
+    if order == "heavy-first":
+        blocks.reverse()  # the last q tiles (which see the most keys) first
     if order == "heads-inner":
         launch = [(b, h) for b in blocks for h in range(H_KV)]
     else:
@@ -68,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU (H100 SXM and H200: 132)")
     ap.add_argument("--fixed", type=float, default=64.0, help="a program's fixed cost, in tokens of its walk")
     args = ap.parse_args(argv)
-    rows = [("fwd", "heads-outer"), ("dq", "heads-outer"), ("dkdv", "heads-outer"), ("dkdv", "heads-inner"),
-            ("dkdv-n128", "heads-outer"), ("dkdv-n128", "heads-inner")]
+    rows = [(kernel, order) for kernel, orders in ORDERS.items() for order in orders]
     print(f"{'layout':9s} {'kernel':9s} {'grid order':12s} finish / ideal")
     for layout in args.layouts.split(","):
         for kernel, order in rows:

@@ -108,3 +108,30 @@ def test_variants_only_keeps_the_default_the_pick_and_the_variants(monkeypatch):
     got = [row["config"] for row in r["kernels"]["dkdv"]["rows"]]
     variants = [mod.config_label(c, v) for c, v in mod.sweep_rows("dkdv", cands["dkdv"], listed=False) if v]
     assert got == ["M16 N16 w4 s1", "M32 N16 w4 s1", *variants]  # no M16 N32 plain row
+
+
+def test_variant_names_keep_the_default_the_pick_and_those_variants(monkeypatch):
+    """``--variants``: the named variants' rows only, beside the default and the Hopper pick (named by its flags:
+    PREFETCH + HEADS_INNER is prefetch-heads-inner)."""
+    mod = _load()
+    from polyrl.backends.cuda.kernels import configs
+
+    monkeypatch.setattr(configs, "HOPPER_PICKS",
+                        {("dkdv", 64, False): (32, 16, 4, 1, {"PREFETCH": True, "HEADS_INNER": True})})
+    cands = {"fwd": [(16, 16, 4, 1)], "dq": [(16, 16, 4, 1)], "dkdv": [(16, 16, 4, 1), (32, 16, 4, 1)]}
+    r = mod.sweep_layout("2x12", None, device="cpu", dtype=torch.float32, do_bench=wall_ms, candidates=cands,
+                         kernels=["dkdv"], variant_names=["heads-inner"])
+    got = [row["config"] for row in r["kernels"]["dkdv"]["rows"]]
+    assert got == ["M16 N16 w4 s1", "M32 N16 w4 s1 prefetch-heads-inner", "M32 N16 w4 s1",
+                   "M16 N16 w4 s1 heads-inner", "M32 N16 w4 s1 heads-inner"], got
+    assert all(row["ok"] for row in r["kernels"]["dkdv"]["rows"])
+
+
+@pytest.mark.parametrize(("args", "named"), [(["--kernels", "dkdv,bogus"], "--kernels"),
+                                            (["--kernels", "dkdv", "--variants", "heavy-first"], "--variants"),
+                                            (["--variants", ","], "--variants")])
+def test_bad_kernels_or_variants_are_refused_in_one_line_before_the_gpu_check(args, named, capsys):
+    mod = load_bench("attention_sweep")
+    assert mod.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and named in err and "CUDA" not in err, err
