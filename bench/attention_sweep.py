@@ -215,12 +215,9 @@ def sweep_layout(layout: str, window: int | None, *, device: str = "cuda", dtype
             variants = sweep_rows(kernel, cands, listed=candidates is None)
             if variant_names is not None:
                 variants = [row for row in variants if not row[1] or row[1] in variant_names]
-            if variants_only:
+            if variants_only or variant_names is not None:  # the default and the pick first, then the rest asked
                 plain = default_and_pick(kernel, window, cands[0])
-                variants = plain + [row for row in variants if row[1] and row not in plain]
-            elif variant_names is not None:
-                plain = default_and_pick(kernel, window, cands[0])
-                variants = plain + [row for row in variants if row not in plain]
+                variants = plain + [row for row in variants if row not in plain and (row[1] or not variants_only)]
         else:
             variants = default_and_pick(kernel, window, cands[0])
         ref = None

@@ -58,13 +58,15 @@ def _jit_function(kernel):
 
 def compile_config(kernel, constexprs: dict, num_warps: int, num_stages: int, capability: int = 90):
     """Compile ``kernel`` (a Triton kernel, possibly autotuned) for ``sm_<capability>`` with the given constexprs;
-    pointers and strides get the 16-divisibility the real launches have. Returns Triton's CompiledKernel."""
+    pointers and strides get the 16-divisibility the real launches have; a constexpr not given takes the kernel's
+    own default (the variant flags), one without a default is refused. Returns Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     fn = _jit_function(kernel)
     names = list(fn.arg_names)
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constexprs]
     if missing:
         raise ValueError(f"{fn.__name__}: constexprs not given: {', '.join(missing)}")
@@ -109,12 +111,10 @@ def kernel_constexprs(kernel: str, window: int | None, block_m: int, block_n: in
     g_p = H_Q // H_KV
     c = dict(D=HEAD_DIM, DV=HEAD_DIM, G_P=g_p, BLOCK_D=HEAD_DIM, BLOCK_DV=HEAD_DIM, HAS_WINDOW=window is not None,
              DOT_PREC="tf32", BAND=window is not None and window <= 256, BLOCK_M=block_m, BLOCK_N=block_n)
+    if kernel in ("fwd", "dq"):  # the variant flags (TMA, PREFETCH, HEADS_INNER) default off in the kernels
+        c.update(HEAVY_FIRST=False)
     if kernel == "fwd":
-        c.update(HAS_SINK=True, HEAVY_FIRST=False, TMA=False)
-    elif kernel == "dq":
-        c.update(HEAVY_FIRST=False, TMA=False)
-    else:
-        c.update(PREFETCH=False, TMA=False, HEADS_INNER=False)
+        c.update(HAS_SINK=True)
     c.update(VARIANTS[kernel].get(variant, {}) if variant else {})
     return c
 
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     for window in windows:
         for name in wanted:
             # all candidates (or the first N), then (all only) the variants on their listed tiles (TMA, dK/dV's
-            # PREFETCH; the heavy-first rows of the forward and dQ, the same code, are listed empty)
+            # PREFETCH; the launch orders HEAVY_FIRST / HEADS_INNER change only the program -> tile mapping)
             variants = [(cfg, "") for cfg in CANDIDATES[name][: args.configs or None]]
             if not args.configs:
                 variants += sweep_rows(name, [])

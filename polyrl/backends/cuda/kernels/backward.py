@@ -198,8 +198,8 @@ def attn_bwd_dkdv_kernel(
     # ``HEADS_INNER``: the kv head varies fastest, so every head's heaviest blocks start first. Not yet timed on a
     # GPU, hence off (bench/attention_sweep.py's heads-inner variants).
     pid = tl.program_id(0)
-    n_kv = HQ // G
     if HEADS_INNER:
+        n_kv = HQ // G
         kvh = pid % n_kv
         c = (pid // n_kv) * BLOCK_N
     else:
