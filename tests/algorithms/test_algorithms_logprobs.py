@@ -6,15 +6,16 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from polyrl.core import algorithms as A
 from polyrl.core.tolerances import relative_error, tolerance
 
 
-def _assert_within(actual: torch.Tensor, expected: torch.Tensor, name: str, dtype: torch.dtype) -> None:
-    err, bar = relative_error(actual, expected), tolerance(name, dtype)
+def _assert_within(actual: torch.Tensor, expected: torch.Tensor, name: str, dtype: torch.dtype,
+                   floor: float = 0.0) -> None:
+    err, bar = relative_error(actual, expected, floor), tolerance(name, dtype)
     assert err <= bar, f"{name} {dtype}: relative error {err:.3g} > {bar:.3g}"
 
 
@@ -38,6 +39,8 @@ def test_hand_worked_uniform_and_two_way() -> None:
     tau=st.sampled_from([1.0, 0.6, 1.7]),
     seed=st.integers(0, 2**31 - 1),
 )
+# near one-hot rows: entropies of 1e-4..0.09, whose norm is small beside their fp32 rounding (found by CI)
+@example(shape=(5, 7), chunk=1, tau=0.6, seed=914)
 def test_chunked_equals_direct_values_and_grads(shape: tuple[int, ...], chunk: int, tau: float, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     logits = (torch.randn(shape, generator=g) * 4).requires_grad_()
@@ -52,7 +55,10 @@ def test_chunked_equals_direct_values_and_grads(shape: tuple[int, ...], chunk: i
     lp_ref, ent_ref = _direct(ref, labels, tau)
     (lp_ref * w_lp.double() + ent_ref * w_ent.double()).sum().backward()
     _assert_within(lp, lp_ref, "algorithms.logprobs", logits.dtype)
-    _assert_within(ent, ent_ref, "algorithms.logprobs", logits.dtype)
+    # H = lse - sum p z: its rounding is on the scale of the scaled logits that cancel, not of H itself (which is
+    # near 0 for near one-hot rows: relative errors up to 7e-6 against H's own norm in 4,000 random cases)
+    scale = (ref.detach() / tau).abs().amax(-1).norm().item()
+    _assert_within(ent, ent_ref, "algorithms.logprobs", logits.dtype, floor=scale)
     _assert_within(got, ref.grad, "algorithms.logprobs_grad", logits.dtype)
 
     # single-output paths (different backward formulas)
